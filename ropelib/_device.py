@@ -1,0 +1,47 @@
+"""Device selection and the Triton interpreter switch.
+
+Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is *defined*, so the
+variable must be set before any kernel module is imported. :mod:`ropelib` imports this
+module first: with no CUDA device present it turns the interpreter on, which lets the
+Triton kernels run (slowly) on the CPU.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+
+def cuda_available() -> bool:
+    """True when PyTorch sees at least one CUDA device."""
+    return torch.cuda.is_available()
+
+
+if not cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def default_device() -> torch.device:
+    """``cuda`` when a CUDA device is present, else ``cpu``."""
+    return torch.device("cuda" if cuda_available() else "cpu")
+
+
+def device_name(device: torch.device | str | None = None) -> str:
+    """A human-readable name of ``device`` (the GPU's marketing name, or the CPU's model).
+
+    Used by the book and the benchmarks to say where every timing was measured.
+    """
+    device = torch.device(device) if device is not None else default_device()
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    model = "CPU"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    model = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    return f"{model} ({torch.get_num_threads()} threads)"
