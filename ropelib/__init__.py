@@ -74,4 +74,7 @@ __all__ = [
 # Sections below are filled by later parts of the book; each adds its imports and names.
 # --- fast kernels ---
 # --- long context ---
+from .scaling import ROPE_SCALINGS, rope_config, scaled_inverse_frequencies  # noqa: E402
+
+__all__ += ["ROPE_SCALINGS", "rope_config", "scaled_inverse_frequencies"]
 # --- ecosystem ---

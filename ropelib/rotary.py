@@ -197,6 +197,7 @@ class RotaryEmbedding(nn.Module):
         # Plain attributes, not buffers: ``module.half()`` must not round the frequencies.
         self._cos = torch.empty(0, self.rotary_dim // 2)
         self._sin = torch.empty(0, self.rotary_dim // 2)
+        self._freq_seq_len: int | None = None  # the seq_len of dynamic / longrope frequencies (None: original)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -219,13 +220,46 @@ class RotaryEmbedding(nn.Module):
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` at ``positions`` (any shape), each ``positions.shape + (rotary_dim/2,)``.
 
-        float32 tables come from the cache; float64 ones are computed afresh.
+        float32 tables come from the cache; float64 ones are computed afresh. With a length-dependent
+        scaling (``dynamic``, ``longrope``) the frequencies are first brought to the length
+        ``positions.max() + 1`` (see :func:`ropelib.scaling.frequency_seq_len`).
         """
+        self._follow_length(positions)
         if dtype == torch.float64:
             return cos_sin_table(self._inv_freq64, positions, self.attention_scaling, torch.float64)
         high = int(positions.max()) + 1 if positions.numel() else 0
         cos, sin = self.cos_sin_cache(high, positions.device)
         return cos[positions], sin[positions]
+
+    def _follow_length(self, positions: torch.Tensor) -> None:
+        """Recompute dynamic NTK / LongRoPE frequencies when the sequence length calls for it (as Hugging Face does)."""
+        if self.scaling is None or positions.numel() == 0:
+            return
+        from .scaling import frequency_seq_len
+
+        needed = int(positions.max()) + 1
+        seq_len = frequency_seq_len(self.scaling, needed, self._freq_seq_len, max_position_embeddings=self.max_position_embeddings)
+        if seq_len != self._freq_seq_len:
+            self._inv_freq64, self.attention_scaling = inverse_frequencies64(
+                self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings, seq_len=seq_len
+            )
+            self._freq_seq_len = seq_len
+            self._cos, self._sin = self._cos[:0], self._sin[:0]
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, layout: str = "half", backend: str = "auto") -> RotaryEmbedding:
+        """The rotary embedding of a model's ``config.json`` dict (parsed by :func:`ropelib.scaling.rope_config`).
+
+        Example:
+            >>> rope = RotaryEmbedding.from_config({"hidden_size": 64, "num_attention_heads": 4, "rope_theta": 500000.0,
+            ...     "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+            >>> rope.head_dim, rope.theta, rope.scaling
+            (16, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
+        """
+        from .scaling import rope_config
+
+        options = rope_config(config)
+        return cls(layout=layout, backend=backend, **options)
 
     def check_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
         """Validate ``q``, ``k`` and ``positions``; return the positions as int64 ``[seq]`` or ``[batch, seq]``."""
