@@ -272,8 +272,8 @@ def longrope_scaling(
         attention_factor = 1.0
     else:
         attention_factor = math.sqrt(1 + math.log(factor) / math.log(original))
-    key = "long_factor" if seq_len is not None and seq_len > original else "short_factor"
-    factors = _factor_list(params, key, rotary_dim // 2)
+    short, long = (_factor_list(params, key, rotary_dim // 2) for key in ("short_factor", "long_factor"))
+    factors = long if seq_len is not None and seq_len > original else short
     return default_inverse_frequencies(rotary_dim, theta) / factors, float(attention_factor)
 
 
