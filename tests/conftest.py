@@ -25,6 +25,18 @@ def _seed_torch() -> None:
     torch.manual_seed(1234)
 
 
+def sinusoid_ref(positions: list[int], dim: int, base: float = 10000.0) -> torch.Tensor:
+    """The table from the paper's formula, one entry at a time, float64 ``[len(positions), dim]``."""
+    rows = []
+    for p in positions:
+        row = []
+        for i in range(dim // 2):
+            angle = p / base ** (2 * i / dim)
+            row += [math.sin(angle), math.cos(angle)]
+        rows.append(row)
+    return torch.tensor(rows, dtype=torch.float64)
+
+
 def inverse_frequencies_ref(rotary_dim: int, theta: float) -> list[float]:
     """``theta^(-2i/r)`` for ``i = 0 .. r/2 - 1`` (RoFormer eq. 15), as Python floats (double)."""
     return [theta ** (-2.0 * i / rotary_dim) for i in range(rotary_dim // 2)]

@@ -1,7 +1,7 @@
 """Absolute encodings (ropelib.absolute): the sinusoidal table, its shift matrices, learned tables.
 
 Expected values come from the formula of Vaswani et al. (2017, section 3.5), evaluated with
-Python's math module in double precision:
+Python's math module in double precision (conftest.sinusoid_ref):
 
     P[p, 2i] = sin(p / base^(2i/d)),   P[p, 2i+1] = cos(p / base^(2i/d)).
 """
@@ -12,23 +12,11 @@ import math
 
 import pytest
 import torch
-from conftest import EPS
+from conftest import EPS, sinusoid_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from ropelib import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, sinusoidal_encoding, sinusoidal_shift_matrix
-
-
-def sinusoid_ref(positions: list[int], dim: int, base: float = 10000.0) -> torch.Tensor:
-    """The table from the paper's formula, one entry at a time, float64 ``[len(positions), dim]``."""
-    rows = []
-    for p in positions:
-        row = []
-        for i in range(dim // 2):
-            angle = p / base ** (2 * i / dim)
-            row += [math.sin(angle), math.cos(angle)]
-        rows.append(row)
-    return torch.tensor(rows, dtype=torch.float64)
 
 
 def test_table_matches_formula() -> None:
