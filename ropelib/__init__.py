@@ -77,4 +77,10 @@ __all__ = [
 from .scaling import ROPE_SCALINGS, rope_config, scaled_inverse_frequencies  # noqa: E402
 
 __all__ += ["ROPE_SCALINGS", "rope_config", "scaled_inverse_frequencies"]
+from .variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates  # noqa: E402
+
+__all__ += ["AxialRotaryEmbedding", "XPos", "axial_positions", "xpos_decay_rates"]
 # --- ecosystem ---
+from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope  # noqa: E402
+
+__all__ += ["HFRotaryEmbedding", "patch_hf_rope", "unpatch_hf_rope", "use_ropelib_rope"]
