@@ -12,11 +12,16 @@ import math
 
 import pytest
 import torch
-from conftest import EPS, sinusoid_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropelib import LearnedPositionalEmbedding, SinusoidalPositionalEncoding, sinusoidal_encoding, sinusoidal_shift_matrix
+from conftest import EPS, sinusoid_ref
+from ropelib import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEncoding,
+    sinusoidal_encoding,
+    sinusoidal_shift_matrix,
+)
 
 
 def test_table_matches_formula() -> None:
@@ -67,7 +72,12 @@ def test_shift_matrix_by_hand() -> None:
 def test_shift_matrices_compose_and_are_orthogonal() -> None:
     # M_a M_b = M_{a+b}, M_{-k} = M_k^T = M_k^{-1}: the shifts form a group of rotations.
     a, b = 17, -5
-    torch.testing.assert_close(sinusoidal_shift_matrix(a, 8) @ sinusoidal_shift_matrix(b, 8), sinusoidal_shift_matrix(a + b, 8), rtol=0.0, atol=1e-14)
+    torch.testing.assert_close(
+        sinusoidal_shift_matrix(a, 8) @ sinusoidal_shift_matrix(b, 8),
+        sinusoidal_shift_matrix(a + b, 8),
+        rtol=0.0,
+        atol=1e-14,
+    )
     torch.testing.assert_close(sinusoidal_shift_matrix(-a, 8), sinusoidal_shift_matrix(a, 8).T, rtol=0.0, atol=1e-15)
 
 
@@ -96,7 +106,9 @@ def test_sinusoidal_module_adds_table(dtype: torch.dtype) -> None:
     tol = 1e-13 if dtype == torch.float64 else EPS[dtype] * (float(x.double().abs().max()) + 1.0)
     torch.testing.assert_close(out.double(), expected, rtol=0.0, atol=tol)
     # Default positions are 0..seq-1, shared by the batch.
-    torch.testing.assert_close(module(x).double()[1], x[1].double() + 0.5 * sinusoid_ref(list(range(5)), 8), rtol=0.0, atol=tol)
+    torch.testing.assert_close(
+        module(x).double()[1], x[1].double() + 0.5 * sinusoid_ref(list(range(5)), 8), rtol=0.0, atol=tol
+    )
 
 
 def test_learned_module_adds_rows() -> None:

@@ -12,9 +12,16 @@ import math
 
 import pytest
 import torch
-from conftest import attention_ref, rotate_ref, sinusoid_ref
 
-from ropelib import POSITION_ENCODINGS, LinearAttention, MultiHeadAttention, RotaryEmbedding, linear_attention, linear_attention_weights
+from conftest import attention_ref, rotate_ref, sinusoid_ref
+from ropelib import (
+    POSITION_ENCODINGS,
+    LinearAttention,
+    MultiHeadAttention,
+    RotaryEmbedding,
+    linear_attention,
+    linear_attention_weights,
+)
 
 # float64 module vs float64 loops: a few hundred float64 operations per entry, values O(1);
 # 1e-12 is ~10^4 ulps of margin while any real discrepancy (a wrong bias, a missing rotation)
@@ -80,7 +87,16 @@ def mha_ref(module: MultiHeadAttention, x: torch.Tensor, positions: torch.Tensor
             value_extra = torch.zeros(S, d, dtype=torch.float64)
             if kind == "t5":
                 w = enc.weight.detach().double()
-                bias = torch.tensor([[float(w[t5_bucket_ref(r, enc.bidirectional, enc.num_buckets, enc.max_distance), h]) for r in row] for row in rel], dtype=torch.float64)
+                bias = torch.tensor(
+                    [
+                        [
+                            float(w[t5_bucket_ref(r, enc.bidirectional, enc.num_buckets, enc.max_distance), h])
+                            for r in row
+                        ]
+                        for row in rel
+                    ],
+                    dtype=torch.float64,
+                )
             elif kind == "alibi":
                 bias = torch.tensor([[-ALIBI_SLOPES[H][h] * abs(r) for r in row] for row in rel], dtype=torch.float64)
             elif kind == "shaw":
@@ -89,7 +105,9 @@ def mha_ref(module: MultiHeadAttention, x: torch.Tensor, positions: torch.Tensor
                 bias = (qh[:, None, :] * enc.key_table.double()[rows]).sum(-1) / math.sqrt(d)
             o = attention_ref(qh[None], kh[None], vh[None], bias, causal=module.causal)[0]
             if kind == "shaw" and enc.value_table is not None:
-                weights = attention_ref(qh[None], kh[None], torch.eye(S, dtype=torch.float64)[None], bias, causal=module.causal)[0]
+                weights = attention_ref(
+                    qh[None], kh[None], torch.eye(S, dtype=torch.float64)[None], bias, causal=module.causal
+                )[0]
                 value_extra = torch.einsum("ij,ijd->id", weights, enc.value_table.double()[rows])
             out[b, :, h] = o + value_extra
     return linear(out.reshape(B, S, E), module.out_proj)
@@ -176,7 +194,11 @@ def test_each_encoding_breaks_permutation_equivariance(position: str) -> None:
 def test_gradcheck_multi_head_attention(position: str) -> None:
     # Gradients with respect to the input and to the encoding's own parameters (learned table,
     # T5 bucket weights, Shaw tables); the projections are plain nn.Linear layers.
-    small = {"learned": dict(max_positions=6), "t5": dict(num_buckets=8, max_distance=20), "shaw": dict(max_relative_position=2)}
+    small = {
+        "learned": dict(max_positions=6),
+        "t5": dict(num_buckets=8, max_distance=20),
+        "shaw": dict(max_relative_position=2),
+    }
     module = build(position, embed=8, heads=2, causal=position in ("alibi", "rope"), **small.get(position, {}))
     x = torch.randn(1, 4, 8, dtype=torch.float64, requires_grad=True)
     named = [(n, p) for n, p in module.named_parameters() if n.startswith("encoding.")]
@@ -249,7 +271,12 @@ def test_linear_attention_with_rope_depends_on_relative_positions_only(causal: b
     for c in (1, 1000, 123_456):
         shifted = linear_attention(q, k, v, rope=rope, positions=positions + c, causal=causal)
         torch.testing.assert_close(shifted, base, rtol=0.0, atol=1e-9)
-        torch.testing.assert_close(linear_attention_weights(q, k, rope=rope, positions=positions + c, causal=causal), base_w, rtol=0.0, atol=1e-9)
+        torch.testing.assert_close(
+            linear_attention_weights(q, k, rope=rope, positions=positions + c, causal=causal),
+            base_w,
+            rtol=0.0,
+            atol=1e-9,
+        )
     # ...while changing the gaps between positions does change it: the rotation is really there.
     spread = linear_attention(q, k, v, rope=rope, positions=positions * 3, causal=causal)
     assert (spread - base).abs().max() > 1e-3
@@ -263,7 +290,9 @@ def test_gradcheck_linear_attention(use_rope: bool, causal: bool) -> None:
     k = torch.randn(1, 4, 2, 4, dtype=torch.float64, requires_grad=True)
     v = torch.randn(1, 4, 2, 3, dtype=torch.float64, requires_grad=True)
     positions = torch.tensor([0, 2, 5, 6])
-    assert torch.autograd.gradcheck(lambda q, k, v: linear_attention(q, k, v, rope=rope, positions=positions, causal=causal), (q, k, v))
+    assert torch.autograd.gradcheck(
+        lambda q, k, v: linear_attention(q, k, v, rope=rope, positions=positions, causal=causal), (q, k, v)
+    )
 
 
 @pytest.mark.parametrize("causal", [False, True])

@@ -14,8 +14,8 @@ import math
 
 import pytest
 import torch
-from conftest import EPS, inverse_frequencies_ref, rotate_ref
 
+from conftest import EPS, inverse_frequencies_ref, rotate_ref
 from ropelib import RotaryEmbedding, apply_rotary_emb, precompute_pos_cis
 
 U32 = 2.0**-24  # unit roundoff of float32 (half its eps)
@@ -86,7 +86,9 @@ def test_pos_cis_is_exact_at_every_position() -> None:
     dim, end = 64, 32 * 1024
     table = precompute_pos_cis(dim)
     assert table.shape == (end, dim // 2)
-    angles = torch.arange(end, dtype=torch.float64)[:, None] * torch.tensor(inverse_frequencies_ref(dim, 1e6), dtype=torch.float64)
+    angles = torch.arange(end, dtype=torch.float64)[:, None] * torch.tensor(
+        inverse_frequencies_ref(dim, 1e6), dtype=torch.float64
+    )
     exact = torch.polar(torch.ones_like(angles), angles)
     assert (table.to(torch.complex128) - exact).abs().max() <= math.sqrt(2) * U32 + 1e-11
 
@@ -94,7 +96,9 @@ def test_pos_cis_is_exact_at_every_position() -> None:
 def test_pos_cis_small_positions_match_seed_tightly() -> None:
     dim = 128
     positions = torch.arange(16)
-    diff = (seed_precompute_pos_cis(dim, end=16).to(torch.complex128) - precompute_pos_cis(dim, end=16).to(torch.complex128)).abs()
+    diff = (
+        seed_precompute_pos_cis(dim, end=16).to(torch.complex128) - precompute_pos_cis(dim, end=16).to(torch.complex128)
+    ).abs()
     bound = seed_angle_bound(dim, positions)
     assert (diff <= bound).all()
     assert bound.max() <= 64 * U32  # i.e. within 4e-6: ulp-level agreement for the first positions

@@ -11,7 +11,14 @@ import math
 import pytest
 import torch
 
-from ropelib import ShawRelativePosition, T5RelativeBias, alibi_bias, alibi_slopes, relative_positions, t5_relative_bucket
+from ropelib import (
+    ShawRelativePosition,
+    T5RelativeBias,
+    alibi_bias,
+    alibi_slopes,
+    relative_positions,
+    t5_relative_bucket,
+)
 
 
 def test_relative_positions_by_hand() -> None:
@@ -33,8 +40,22 @@ def test_relative_positions_by_hand() -> None:
 #   n = 100: 8 ln 12.5 / ln 16 = 8 * 2.525729 / 2.772589 = 7.288 -> 15
 #   n = 127: 7.977 -> 15;  n = 1000: 8 + 13.9 -> clipped to 15
 BIDIRECTIONAL = {
-    0: 0, -1: 1, -7: 7, -12: 9, -20: 10, -50: 13, -100: 15, -127: 15, -1000: 15,
-    1: 17, 3: 19, 7: 23, 12: 25, 20: 26, 50: 29, 1000: 31,
+    0: 0,
+    -1: 1,
+    -7: 7,
+    -12: 9,
+    -20: 10,
+    -50: 13,
+    -100: 15,
+    -127: 15,
+    -1000: 15,
+    1: 17,
+    3: 19,
+    7: 23,
+    12: 25,
+    20: 26,
+    50: 29,
+    1000: 31,
 }
 # Unidirectional (decoder), 32 buckets, max_distance 128: max_exact = 16, future keys -> bucket 0.
 #     bucket(n) = 16 + floor(ln(n / 16) / ln(128 / 16) * 16) = 16 + floor(16 ln(n/16) / ln 8), at most 31
@@ -113,7 +134,7 @@ def test_alibi_slopes_non_powers_of_two() -> None:
     assert alibi_slopes(6).tolist() == [1 / 4, 1 / 16, 1 / 64, 1 / 256, 1 / 2, 1 / 8]
     # 12 heads: m = 8 -> 2^-1 .. 2^-8; 16 heads' slopes are 2^-0.5, 2^-1, ..., every other one from
     # the first is 2^-0.5, 2^-1.5, 2^-2.5, 2^-3.5 (4 needed).
-    expected = [2.0**-h for h in range(1, 9)] + [2 ** -0.5, 2 ** -1.5, 2 ** -2.5, 2 ** -3.5]
+    expected = [2.0**-h for h in range(1, 9)] + [2**-0.5, 2**-1.5, 2**-2.5, 2**-3.5]
     torch.testing.assert_close(alibi_slopes(12), torch.tensor(expected, dtype=torch.float64), rtol=1e-15, atol=0.0)
     # 1 head: m = 1 -> 2^-8. 3 heads: m = 2 -> 2^-4, 2^-8, then 4 heads' 2^-2.
     assert alibi_slopes(1).tolist() == [2.0**-8]

@@ -10,10 +10,10 @@ import math
 
 import pytest
 import torch
-from conftest import EPS, inverse_frequencies_ref, rotate_ref, rotation_matrix_ref
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from conftest import EPS, inverse_frequencies_ref, rotate_ref, rotation_matrix_ref
 from ropelib import (
     RotaryEmbedding,
     apply_rotary,

@@ -47,16 +47,30 @@ ODD_DIM = [
     ("rotary_dim must be even", lambda: RotaryEmbedding(8, rotary_dim=5)),
     ("rotary_dim must be <= head_dim=8", lambda: RotaryEmbedding(8, rotary_dim=10)),
     ("dim must be even", lambda: precompute_pos_cis(7)),
-    ("xq's head_dim must be even", lambda: apply_rotary_emb(torch.zeros(1, 2, 1, 5), torch.zeros(1, 2, 1, 5), torch.ones(2, 2, dtype=torch.complex64))),
+    (
+        "xq's head_dim must be even",
+        lambda: apply_rotary_emb(
+            torch.zeros(1, 2, 1, 5), torch.zeros(1, 2, 1, 5), torch.ones(2, 2, dtype=torch.complex64)
+        ),
+    ),
     ("dim must be even", lambda: sinusoidal_encoding(4, 5)),
     ("dim must be even", lambda: sinusoidal_shift_matrix(1, 5)),
     ("dim must be even", lambda: SinusoidalPositionalEncoding(5)),
     ("head_dim must be even", lambda: rope_frequencies(9)),
-    (r"rotary dim \(head_dim \* partial_rotary_factor\) must be even", lambda: rope_frequencies(12, partial_rotary_factor=0.25)),
+    (
+        r"rotary dim \(head_dim \* partial_rotary_factor\) must be even",
+        lambda: rope_frequencies(12, partial_rotary_factor=0.25),
+    ),
     ("partial_rotary_factor must be in", lambda: rope_frequencies(8, partial_rotary_factor=1.5)),
     ("rotary_dim must be even", lambda: layout_permutation(5, "half", "interleaved")),
-    ("rotary_dim must be even", lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="half", dst="interleaved", rotary_dim=3)),
-    ("rotary_dim must be <= head_dim=8", lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="half", dst="interleaved", rotary_dim=10)),
+    (
+        "rotary_dim must be even",
+        lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="half", dst="interleaved", rotary_dim=3),
+    ),
+    (
+        "rotary_dim must be <= head_dim=8",
+        lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="half", dst="interleaved", rotary_dim=10),
+    ),
     ("head_dim must be even", lambda: MultiHeadAttention(9, 3, "rope")),
     ("head_dim must be even", lambda: LinearAttention(9, 3)),
 ]
@@ -77,12 +91,27 @@ SHAPES = [
     (r"q and k must share \[batch, seq\]", rope_qk(k=torch.zeros(1, 4, 3, 8))),
     ("cos and sin must have the same shape", lambda: apply_rotary(Q, COS, torch.ones(4, 3))),
     (r"cos and sin must have shape \[4, r/2\]", lambda: apply_rotary(Q, torch.ones(5, 4), torch.ones(5, 4))),
-    (r"cos and sin must have shape \[4, r/2\] or \[2, 4, r/2\]", lambda: apply_rotary(Q, torch.ones(3, 4, 4), torch.ones(3, 4, 4))),
+    (
+        r"cos and sin must have shape \[4, r/2\] or \[2, 4, r/2\]",
+        lambda: apply_rotary(Q, torch.ones(3, 4, 4), torch.ones(3, 4, 4)),
+    ),
     ("cos has 5 pairs but x has only 8 features", lambda: apply_rotary(Q, torch.ones(4, 5), torch.ones(4, 5))),
-    ("xq and xk must share", lambda: apply_rotary_emb(Q, torch.zeros(2, 5, 3, 8), torch.ones(4, 4, dtype=torch.complex64))),
-    ("xq and xk must share", lambda: apply_rotary_emb(Q, torch.zeros(2, 4, 3, 6), torch.ones(4, 4, dtype=torch.complex64))),
-    (r"pos_cis must have shape \[seq_len, head_dim // 2\]", lambda: apply_rotary_emb(Q, Q, precompute_pos_cis(8, end=16))),
-    (r"pos_cis must have shape \[seq_len, head_dim // 2\]", lambda: apply_rotary_emb(Q, Q, precompute_pos_cis(16, end=4))),
+    (
+        "xq and xk must share",
+        lambda: apply_rotary_emb(Q, torch.zeros(2, 5, 3, 8), torch.ones(4, 4, dtype=torch.complex64)),
+    ),
+    (
+        "xq and xk must share",
+        lambda: apply_rotary_emb(Q, torch.zeros(2, 4, 3, 6), torch.ones(4, 4, dtype=torch.complex64)),
+    ),
+    (
+        r"pos_cis must have shape \[seq_len, head_dim // 2\]",
+        lambda: apply_rotary_emb(Q, Q, precompute_pos_cis(8, end=16)),
+    ),
+    (
+        r"pos_cis must have shape \[seq_len, head_dim // 2\]",
+        lambda: apply_rotary_emb(Q, Q, precompute_pos_cis(16, end=4)),
+    ),
     (r"positions must have shape \[4\] or \[2, 4\]", rope_qk(positions=torch.arange(5))),
     (r"positions must have shape \[4\] or \[2, 4\]", rope_qk(positions=torch.zeros(3, 4, dtype=torch.long))),
     ("q, k must have equal shapes", lambda: linear_attention(Q, torch.zeros(2, 5, 3, 8), Q)),
@@ -91,9 +120,18 @@ SHAPES = [
     ("x must have last dimension embed_dim=8", lambda: MultiHeadAttention(8, 2)(torch.zeros(2, 4, 6))),
     ("x must have last dimension 8", lambda: SinusoidalPositionalEncoding(8)(torch.zeros(2, 4, 6))),
     ("x must have last dimension 8", lambda: LearnedPositionalEmbedding(16, 8)(torch.zeros(2, 4, 6))),
-    ("q must have last dimension 4", lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 5), relative_positions(3))),
-    (r"relative_position must have shape \[3, key_len\]", lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 4), relative_positions(2))),
-    (r"weight must have shape \[16, in_features\]", lambda: convert_rotary_layout(torch.zeros(12, 4), 2, 8, src="half", dst="interleaved")),
+    (
+        "q must have last dimension 4",
+        lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 5), relative_positions(3)),
+    ),
+    (
+        r"relative_position must have shape \[3, key_len\]",
+        lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 4), relative_positions(2)),
+    ),
+    (
+        r"weight must have shape \[16, in_features\]",
+        lambda: convert_rotary_layout(torch.zeros(12, 4), 2, 8, src="half", dst="interleaved"),
+    ),
 ]
 
 
@@ -109,7 +147,10 @@ RANK = [
     ("x must have 4 dimensions", lambda: apply_rotary(torch.zeros(4, 3, 8), COS, COS)),
     ("q must have 4 dimensions", rope_qk(q=torch.zeros(4, 3, 8))),
     ("k must have 4 dimensions", rope_qk(k=torch.zeros(2, 4, 3, 8, 1))),
-    ("xq must have 4 dimensions", lambda: apply_rotary_emb(torch.zeros(4, 8), Q, torch.ones(4, 4, dtype=torch.complex64))),
+    (
+        "xq must have 4 dimensions",
+        lambda: apply_rotary_emb(torch.zeros(4, 8), Q, torch.ones(4, 4, dtype=torch.complex64)),
+    ),
     ("x must have 3 dimensions", lambda: MultiHeadAttention(8, 2)(Q)),
     ("x must have 3 dimensions", lambda: LinearAttention(8, 2)(Q)),
     ("x must have 3 dimensions", lambda: SinusoidalPositionalEncoding(8)(torch.zeros(4, 8))),
@@ -120,7 +161,10 @@ RANK = [
     (r"positions must have shape \[4\] or \[2, 4\]", rope_qk(positions=torch.tensor(0))),
     ("relative_position must have at least 2 dimensions", lambda: T5RelativeBias(2)(torch.arange(3))),
     ("inv_freq must have 1 dimensions", lambda: cos_sin_table(torch.ones(2, 4), torch.arange(3))),
-    ("q must have 4 dimensions", lambda: ShawRelativePosition(4).score_bias(torch.zeros(2, 3, 4), relative_positions(3))),
+    (
+        "q must have 4 dimensions",
+        lambda: ShawRelativePosition(4).score_bias(torch.zeros(2, 3, 4), relative_positions(3)),
+    ),
 ]
 
 
@@ -136,13 +180,18 @@ NEGATIVE = torch.tensor([0, 1, -1, 2])
 FLOATING = torch.tensor([0.0, 1.0, 2.0, 3.0])
 
 
+def mha_call(kind: str, positions: torch.Tensor):
+    options = {"max_positions": 16} if kind == "learned" else {}
+    return lambda: MultiHeadAttention(8, 2, kind, **options)(X, positions)
+
+
 def position_consumers(positions: torch.Tensor):
     """Every public entry point that takes positions, called with ``positions``."""
     return [
         rope_qk(positions=positions),
         lambda: SinusoidalPositionalEncoding(8)(X, positions),
         lambda: LearnedPositionalEmbedding(16, 8)(X, positions),
-        *[(lambda kind: lambda: MultiHeadAttention(8, 2, kind, **({"max_positions": 16} if kind == "learned" else {}))(X, positions))(kind) for kind in ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope")],
+        *[mha_call(kind, positions) for kind in ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope")],
         lambda: linear_attention(Q, Q, Q, rope=RotaryEmbedding(8), positions=positions),
         lambda: linear_attention(Q, Q, Q, positions=positions),  # checked even without a rotation
         lambda: linear_attention_weights(Q, Q, rope=RotaryEmbedding(8), positions=positions),
@@ -164,7 +213,9 @@ def test_floating_positions(call) -> None:
         call()
 
 
-@pytest.mark.parametrize("bad", [torch.tensor([True, False, True, True]), [0, 1, 2, 3], torch.tensor([0, 1, 2, 3], dtype=torch.complex64)])
+@pytest.mark.parametrize(
+    "bad", [torch.tensor([True, False, True, True]), [0, 1, 2, 3], torch.tensor([0, 1, 2, 3], dtype=torch.complex64)]
+)
 def test_positions_of_other_kinds(bad) -> None:
     with pytest.raises(TypeError, match="positions must be an integer"):
         RotaryEmbedding(8)(Q, Q, bad)
@@ -187,7 +238,11 @@ def test_positions_past_learned_table() -> None:
 # ----------------------------------------------------------------------------- choices
 
 LAYOUT_ERRORS = [
-    (ValueError, r"layout must be one of \['half', 'interleaved'\], got 'neox'", lambda: RotaryEmbedding(8, layout="neox")),
+    (
+        ValueError,
+        r"layout must be one of \['half', 'interleaved'\], got 'neox'",
+        lambda: RotaryEmbedding(8, layout="neox"),
+    ),
     (ValueError, "layout must be one of", lambda: apply_rotary(Q, COS, COS, layout="gptj")),
     (TypeError, "layout must be a str", lambda: RotaryEmbedding(8, layout=1)),
     (ValueError, "src must be one of", lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="meta", dst="half")),
@@ -195,9 +250,17 @@ LAYOUT_ERRORS = [
     (ValueError, "layout must be one of", lambda: MultiHeadAttention(8, 2, "rope", layout="complex")),
     (ValueError, "backend must be one of", lambda: RotaryEmbedding(8, backend="cuda")),
     (ValueError, "position must be one of", lambda: MultiHeadAttention(8, 2, "xpos")),
-    (ValueError, r"position='t5' takes options .* got unknown \['theta'\]", lambda: MultiHeadAttention(8, 2, "t5", theta=10.0)),
+    (
+        ValueError,
+        r"position='t5' takes options .* got unknown \['theta'\]",
+        lambda: MultiHeadAttention(8, 2, "t5", theta=10.0),
+    ),
     (ValueError, "position='learned' needs max_positions", lambda: MultiHeadAttention(8, 2, "learned")),
-    (ValueError, "max_positions applies to position='learned' only", lambda: MultiHeadAttention(8, 2, "rope", max_positions=8)),
+    (
+        ValueError,
+        "max_positions applies to position='learned' only",
+        lambda: MultiHeadAttention(8, 2, "rope", max_positions=8),
+    ),
 ]
 
 
@@ -245,9 +308,18 @@ INT_ERRORS = [
     ("x must be a floating-point tensor", lambda: LinearAttention(8, 2)(X.long())),
     ("v must be a floating-point tensor", lambda: linear_attention(Q, Q, INT)),
     ("k must be a floating-point tensor", lambda: linear_attention_weights(Q, INT)),
-    ("weight must be a floating-point tensor", lambda: convert_rotary_layout(torch.zeros(16, 4, dtype=torch.long), 2, 8, src="half", dst="interleaved")),
-    ("inv_freq must be a floating-point tensor", lambda: cos_sin_table(torch.ones(4, dtype=torch.long), torch.arange(3))),
-    ("q must be a floating-point tensor", lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 4, dtype=torch.long), relative_positions(3))),
+    (
+        "weight must be a floating-point tensor",
+        lambda: convert_rotary_layout(torch.zeros(16, 4, dtype=torch.long), 2, 8, src="half", dst="interleaved"),
+    ),
+    (
+        "inv_freq must be a floating-point tensor",
+        lambda: cos_sin_table(torch.ones(4, dtype=torch.long), torch.arange(3)),
+    ),
+    (
+        "q must be a floating-point tensor",
+        lambda: ShawRelativePosition(4).score_bias(torch.zeros(1, 2, 3, 4, dtype=torch.long), relative_positions(3)),
+    ),
     ("dtype must be a floating dtype", lambda: sinusoidal_encoding(4, 8, dtype=torch.int64)),
     ("x must be a torch.Tensor", lambda: apply_rotary([[1.0]], COS, COS)),
 ]
@@ -295,7 +367,10 @@ SCALAR_VALUE = [
     ("num_buckets must be even when bidirectional", lambda: t5_relative_bucket(torch.arange(3), True, 31)),
     ("max_distance must be > 8", lambda: t5_relative_bucket(torch.arange(3), True, 32, 8)),
     ("max_relative_position must be >= 1", lambda: ShawRelativePosition(4, max_relative_position=0)),
-    ("this ShawRelativePosition was built with values=False", lambda: ShawRelativePosition(4, values=False).value_term(torch.zeros(1, 1, 3, 3), relative_positions(3))),
+    (
+        "this ShawRelativePosition was built with values=False",
+        lambda: ShawRelativePosition(4, values=False).value_term(torch.zeros(1, 1, 3, 3), relative_positions(3)),
+    ),
     ("scale must be a finite number > 0", lambda: SinusoidalPositionalEncoding(8, scale=float("nan"))),
 ]
 
