@@ -110,7 +110,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         super().__init__()
         self.dim = check_even(dim, "dim")
         self.base = check_positive_float(base, "base")
-        self.scale = float(scale)
+        self.scale = check_positive_float(scale, "scale")
 
     def encoding(self, positions: torch.Tensor) -> torch.Tensor:
         """``P[positions]`` in float64, shape ``positions.shape + (dim,)``."""

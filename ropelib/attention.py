@@ -119,7 +119,8 @@ class MultiHeadAttention(nn.Module):
         if kind == "t5":
             return T5RelativeBias(self.num_heads, bidirectional=not self.causal, **options)
         if kind == "alibi":
-            self.register_buffer("alibi_slopes", alibi_slopes(self.num_heads).float(), persistent=False)
+            # float64 plain attribute, not a buffer: .float()/.half() must not round the slopes.
+            self.alibi_slopes = alibi_slopes(self.num_heads)
             return None
         if kind == "shaw":
             return ShawRelativePosition(self.head_dim, **options)
@@ -151,7 +152,7 @@ class MultiHeadAttention(nn.Module):
         if self.position == "t5":
             bias = self.encoding(rel)
         elif self.position == "alibi":
-            bias = alibi_bias_from_relative(self.alibi_slopes, rel, dtype=torch.float32)
+            bias = alibi_bias_from_relative(self.alibi_slopes, rel, dtype=torch.float64)  # rounded once below
         else:
             return self.encoding.score_bias(q, rel)
         return (bias if bias.ndim == 4 else bias.unsqueeze(0)).to(q.dtype)
@@ -203,6 +204,14 @@ def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     return F.elu(x) + 1.0
 
 
+def _check_linear_qk(q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding | None, positions: object) -> None:
+    """q and k of equal shapes; positions valid even when there is no rotation to use them."""
+    if q.shape != k.shape:
+        raise ValueError(f"q and k must have equal shapes, got {tuple(q.shape)} and {tuple(k.shape)}")
+    if rope is None and positions is not None:
+        check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
+
+
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -239,6 +248,7 @@ def linear_attention(
     v = check_float_tensor(v, "v", ndim=4)
     if q.shape != k.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(f"q, k must have equal shapes and v the same [batch, seq, heads]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+    _check_linear_qk(q, k, rope, positions)
     fq, fk = elu_feature_map(q), elu_feature_map(k)
     rq, rk = rope(fq, fk, positions) if rope is not None else (fq, fk)
     if causal:
@@ -267,6 +277,7 @@ def linear_attention_weights(
     """
     q = check_float_tensor(q, "q", ndim=4)
     k = check_float_tensor(k, "k", ndim=4)
+    _check_linear_qk(q, k, rope, positions)
     fq, fk = elu_feature_map(q), elu_feature_map(k)
     rq, rk = rope(fq, fk, positions) if rope is not None else (fq, fk)
     numerator = torch.einsum("bihd,bjhd->bhij", rq, rk)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ._validation import check_even, check_int, check_positive_float
+from ._validation import check_even, check_float_tensor, check_int, check_positive_float
 
 
 def default_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
@@ -118,6 +118,16 @@ def cos_sin_table(
     Returns:
         ``(cos, sin)``, each of shape ``positions.shape + (r/2,)``.
     """
+    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    if (
+        not isinstance(positions, torch.Tensor)
+        or positions.dtype.is_floating_point
+        or positions.dtype.is_complex
+        or positions.dtype == torch.bool
+    ):
+        raise TypeError(
+            f"positions must be an integer torch.Tensor, got {getattr(positions, 'dtype', type(positions).__name__)}"
+        )
     angles = positions.to(torch.float64)[..., None] * inv_freq.to(device=positions.device, dtype=torch.float64)
     cos, sin = angles.cos(), angles.sin()
     if attention_scaling != 1.0:
