@@ -1,0 +1,219 @@
+r"""The fused rotary kernel in Triton: q and k in one launch, cos/sin read once per token.
+
+Program ``(t, j)`` handles token ``t`` (of ``batch * seq``) and the ``j``-th block of
+``BLOCK_H`` heads, counting the blocks of ``q`` first and then those of ``k`` (which may have
+fewer heads: GQA/MQA). It reads the token's position, gathers that row of the cos/sin cache
+once, and rotates every head of its block with it:
+
+.. math::
+
+    x'_a = x_a \cos m\theta_i - x_b \sin m\theta_i, \qquad x'_b = x_b \cos m\theta_i + x_a \sin m\theta_i,
+
+with ``(a, b) = (i, i + r/2)`` in the ``"half"`` layout and ``(2i, 2i+1)`` in the
+``"interleaved"`` one. Loads are whole contiguous rows of a head (the interleaved pairs are
+split in registers with ``tl.split``), the math runs in the table's dtype (float32, or
+float64 for float64 input) and the result is rounded once to the output's dtype.
+
+The backward pass is the rotation by ``-theta`` (``R^T = R(-theta)``): the same kernel with
+``CONJUGATE`` set, which negates the sine. With ``rotary_dim < head_dim`` the remaining
+features are copied (not at all when writing in place).
+
+Import :mod:`ropelib` before this module: on a machine without CUDA it sets
+``TRITON_INTERPRET=1`` so that the kernel runs, slowly, on CPU tensors.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate_head_block(
+    X,
+    OUT,
+    head0,
+    num_heads,
+    stride_xh,
+    stride_oh,
+    cos,
+    sin,
+    ROTARY_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R2: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    COPY_REST: tl.constexpr,
+):
+    """Rotate heads ``head0 .. head0 + BLOCK_H - 1`` of one token (``X``/``OUT`` point at its head 0)."""
+    heads = head0 + tl.arange(0, BLOCK_H)
+    pairs = tl.arange(0, BLOCK_R2)
+    head_ok = heads < num_heads
+    pair_ok = pairs < ROTARY_DIM // 2
+    mask = head_ok[:, None] & pair_ok[None, :]
+    if INTERLEAVED:
+        two = tl.arange(0, 2)
+        col = 2 * pairs[None, :, None] + two[None, None, :]
+        mask3 = mask[:, :, None] & (two[None, None, :] < 2)
+        x = tl.load(X + heads[:, None, None] * stride_xh + col, mask=mask3, other=0.0).to(cos.dtype)
+        a, b = tl.split(x)
+        ra = a * cos[None, :] - b * sin[None, :]
+        rb = b * cos[None, :] + a * sin[None, :]
+        y = tl.join(ra, rb).to(OUT.dtype.element_ty)
+        tl.store(OUT + heads[:, None, None] * stride_oh + col, y, mask=mask3)
+    else:
+        col = pairs[None, :]
+        x_ptr = X + heads[:, None] * stride_xh + col
+        a = tl.load(x_ptr, mask=mask, other=0.0).to(cos.dtype)
+        b = tl.load(x_ptr + ROTARY_DIM // 2, mask=mask, other=0.0).to(cos.dtype)
+        ra = a * cos[None, :] - b * sin[None, :]
+        rb = b * cos[None, :] + a * sin[None, :]
+        o_ptr = OUT + heads[:, None] * stride_oh + col
+        tl.store(o_ptr, ra.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_ptr + ROTARY_DIM // 2, rb.to(OUT.dtype.element_ty), mask=mask)
+    if COPY_REST:
+        rest = ROTARY_DIM + tl.arange(0, BLOCK_REST)
+        rest_mask = head_ok[:, None] & (rest[None, :] < HEAD_DIM)
+        kept = tl.load(X + heads[:, None] * stride_xh + rest[None, :], mask=rest_mask)
+        tl.store(OUT + heads[:, None] * stride_oh + rest[None, :], kept, mask=rest_mask)
+
+
+@triton.jit
+def rotary_qk_kernel(
+    Q,
+    K,
+    Q_OUT,
+    K_OUT,
+    COS,
+    SIN,
+    POS,
+    seq_len,
+    table_len,
+    q_heads,
+    k_heads,
+    q_blocks,
+    stride_qb,
+    stride_qs,
+    stride_qh,
+    stride_kb,
+    stride_ks,
+    stride_kh,
+    stride_qob,
+    stride_qos,
+    stride_qoh,
+    stride_kob,
+    stride_kos,
+    stride_koh,
+    stride_pb,
+    stride_ps,
+    stride_table,
+    ROTARY_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_R2: tl.constexpr,
+    BLOCK_REST: tl.constexpr,
+    INTERLEAVED: tl.constexpr,
+    CONJUGATE: tl.constexpr,
+    COPY_REST: tl.constexpr,
+):
+    """Grid ``(batch * seq, q_blocks + k_blocks)``; see the module docstring."""
+    token = tl.program_id(0)
+    block = tl.program_id(1)
+    b = token // seq_len
+    s = token % seq_len
+    pos = tl.load(POS + b * stride_pb + s * stride_ps)
+    pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)  # memory safety; the host validates the range
+    pairs = tl.arange(0, BLOCK_R2)
+    pair_ok = pairs < ROTARY_DIM // 2
+    cos = tl.load(COS + pos * stride_table + pairs, mask=pair_ok, other=0.0)
+    sin = tl.load(SIN + pos * stride_table + pairs, mask=pair_ok, other=0.0)
+    if CONJUGATE:
+        sin = -sin
+    if block < q_blocks:
+        _rotate_head_block(
+            Q + b * stride_qb + s * stride_qs,
+            Q_OUT + b * stride_qob + s * stride_qos,
+            block * BLOCK_H,
+            q_heads,
+            stride_qh,
+            stride_qoh,
+            cos,
+            sin,
+            ROTARY_DIM,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_R2,
+            BLOCK_REST,
+            INTERLEAVED,
+            COPY_REST,
+        )
+    else:
+        _rotate_head_block(
+            K + b * stride_kb + s * stride_ks,
+            K_OUT + b * stride_kob + s * stride_kos,
+            (block - q_blocks) * BLOCK_H,
+            k_heads,
+            stride_kh,
+            stride_koh,
+            cos,
+            sin,
+            ROTARY_DIM,
+            HEAD_DIM,
+            BLOCK_H,
+            BLOCK_R2,
+            BLOCK_REST,
+            INTERLEAVED,
+            COPY_REST,
+        )
+
+
+def block_heads(q_heads: int, k_heads: int, head_dim: int) -> int:
+    """Heads per program: a power of two holding about 2048 features (16 heads of 128), at most the head count."""
+    most = triton.next_power_of_2(max(q_heads, k_heads))
+    return max(1, min(most, triton.next_power_of_2(max(1, 2048 // head_dim))))
+
+
+def launch_rotary_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+    conjugate: bool,
+) -> None:
+    """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
+
+    Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin``
+    ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any strides, 0 for a shared row).
+    No validation here: :func:`ropelib.kernels.rotary_qk` does it.
+    """
+    batch, seq, q_heads, head_dim = q.shape
+    k_heads = k.shape[2]
+    rotary_dim = 2 * cos.shape[-1]
+    bh = block_heads(q_heads, k_heads, head_dim)
+    q_blocks = triton.cdiv(q_heads, bh)
+    grid = (batch * seq, q_blocks + triton.cdiv(k_heads, bh))
+    if grid[0] == 0:
+        return
+    rest = head_dim - rotary_dim
+    rotary_qk_kernel[grid](
+        q, k, q_out, k_out, cos, sin, positions,
+        seq, cos.shape[0], q_heads, k_heads, q_blocks,
+        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
+        *positions.stride(), cos.stride(0),
+        ROTARY_DIM=rotary_dim,
+        HEAD_DIM=head_dim,
+        BLOCK_H=bh,
+        BLOCK_R2=triton.next_power_of_2(rotary_dim // 2),
+        BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
+        INTERLEAVED=interleaved,
+        CONJUGATE=conjugate,
+        COPY_REST=rest > 0 and q_out.data_ptr() != q.data_ptr(),
+        num_warps=4,
+    )
