@@ -427,9 +427,11 @@ def frequency_seq_len(
     """
     rope_type = rope_type_of(scaling)
     if rope_type == "dynamic":
-        if needed <= max_position_embeddings:
-            return None
-        return needed if current is None or needed > current else current
+        # As transformers: grow past the longest length seen; reset only strictly below the original
+        # length (a sequence of exactly max_position_embeddings keeps grown frequencies).
+        if needed > (max_position_embeddings if current is None else current):
+            return needed
+        return None if needed < max_position_embeddings else current
     if rope_type == "longrope":
         original = _original_length(scaling, max_position_embeddings, "longrope")
         return original + 1 if needed > original else None
