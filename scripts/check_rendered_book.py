@@ -195,7 +195,7 @@ def find_chromium() -> str:
                  "run `apt-get install -y chromium` as root, then rerun")
     print("check_rendered_book: chromium not found; installing it with apt-get", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
-    install = ["apt-get", "install", "-y", "--no-install-recommends", "chromium"]
+    install = ["apt-get", "install", "-y", "chromium"]
     if subprocess.run(install, env=env).returncode != 0:
         subprocess.run(["apt-get", "update"], env=env, check=False)
         if subprocess.run(install, env=env).returncode != 0:
