@@ -23,6 +23,8 @@ from .absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from .relative import ShawRelativePosition, T5RelativeBias, alibi_bias_from_relative, alibi_slopes
 from .rotary import RotaryEmbedding
 
+#: The ``position`` argument of :class:`MultiHeadAttention`. No encoding, the two absolute ones,
+#: the three relative biases, or RoPE.
 POSITION_ENCODINGS = ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope")
 
 
@@ -212,6 +214,29 @@ def _check_linear_qk(q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding | N
         check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
 
 
+def _causal_linear_sums(
+    rq: torch.Tensor, rk: torch.Tensor, fq: torch.Tensor, fk: torch.Tensor, v: torch.Tensor, chunk_size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Causal numerator ``[b, s, h, d_v]`` and denominator ``[b, s, h]`` of linear attention, chunk by chunk."""
+    batch, seq, heads, dim = rq.shape
+    state = rq.new_zeros(batch, heads, dim, v.shape[-1])  # sum of (R_j phi(k_j)) v_j^T over past chunks
+    key_sum = fk.new_zeros(batch, heads, dim)  # sum of phi(k_j) over past chunks
+    numerators, denominators = [], []
+    for start in range(0, seq, chunk_size):
+        chunk = slice(start, min(start + chunk_size, seq))
+        q_c, k_c, fq_c, fk_c, v_c = rq[:, chunk], rk[:, chunk], fq[:, chunk], fk[:, chunk], v[:, chunk]
+        future = _causal_mask(q_c.shape[1], q_c.device)
+        inner = torch.einsum("bihd,bjhd->bhij", q_c, k_c).masked_fill(future, 0.0)
+        numerators.append(
+            torch.einsum("bhij,bjhe->bihe", inner, v_c) + torch.einsum("bihd,bhde->bihe", q_c, state)
+        )
+        plain = torch.einsum("bihd,bjhd->bhij", fq_c, fk_c).masked_fill(future, 0.0)
+        denominators.append(plain.sum(-1).transpose(1, 2) + torch.einsum("bihd,bhd->bih", fq_c, key_sum))
+        state = state + torch.einsum("bjhd,bjhe->bhde", k_c, v_c)
+        key_sum = key_sum + fk_c.sum(1)
+    return torch.cat(numerators, 1), torch.cat(denominators, 1)
+
+
 def linear_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -221,6 +246,7 @@ def linear_attention(
     positions: torch.Tensor | None = None,
     causal: bool = False,
     eps: float = 1e-6,
+    chunk_size: int = 64,
 ) -> torch.Tensor:
     r"""Linear attention, optionally with RoPE on the feature maps (RoFormer eq. 19).
 
@@ -231,7 +257,9 @@ def linear_attention(
 
     The numerator is computed as ``(R_i phi(q_i))^T S`` with ``S = sum_j (R_j phi(k_j)) v_j^T``
     (a running sum when causal), so the cost is ``O(n d^2)``, linear in the length ``n``. The
-    denominator keeps the unrotated features so that it stays positive.
+    denominator keeps the unrotated features so that it stays positive. The causal form runs
+    over chunks of ``chunk_size`` tokens: inside a chunk the masked ``C x C`` products, across
+    chunks the running state, so it costs ``O(n (C + d) d)`` time and ``O(d^2)`` state per head.
 
     Args:
         q, k: ``[batch, seq, heads, d]``; v: ``[batch, seq, heads, d_v]``.
@@ -239,10 +267,12 @@ def linear_attention(
         positions: ``[seq]`` or ``[batch, seq]`` integers for the rotation.
         causal: each query sees keys up to its own position only.
         eps: added to the denominator.
+        chunk_size: tokens per chunk of the causal form.
 
     Returns:
         ``[batch, seq, heads, d_v]``.
     """
+    chunk_size = check_int(chunk_size, "chunk_size", minimum=1)
     q = check_float_tensor(q, "q", ndim=4)
     k = check_float_tensor(k, "k", ndim=4)
     v = check_float_tensor(v, "v", ndim=4)
@@ -252,9 +282,7 @@ def linear_attention(
     fq, fk = elu_feature_map(q), elu_feature_map(k)
     rq, rk = rope(fq, fk, positions) if rope is not None else (fq, fk)
     if causal:
-        state = torch.einsum("bshd,bshe->bshde", rk, v).cumsum(1)
-        numerator = torch.einsum("bshd,bshde->bshe", rq, state)
-        denominator = torch.einsum("bshd,bshd->bsh", fq, fk.cumsum(1))
+        numerator, denominator = _causal_linear_sums(rq, rk, fq, fk, v, chunk_size)
     else:
         state = torch.einsum("bshd,bshe->bhde", rk, v)
         numerator = torch.einsum("bshd,bhde->bshe", rq, state)
