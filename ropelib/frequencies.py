@@ -2,7 +2,7 @@ r"""RoPE's rotation frequencies: ``inv_freq[i] = theta^(-2i/d)`` for the pairs `
 
 Pair ``i`` of a vector at position ``m`` is rotated by the angle ``m * inv_freq[i]``
 (Su et al., RoFormer, 2021, eq. 15). Everything that changes the angles (context-extension
-scaling, dynamic NTK) goes through :func:`rope_frequencies`, so the module, the kernels and the
+scaling, dynamic NTK) goes through :func:`~ropelib.rope_frequencies`, so the module, the kernels and the
 book agree on one definition.
 """
 
@@ -40,7 +40,7 @@ def inverse_frequencies64(
     seq_len: int | None = None,
     partial_rotary_factor: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
-    """Like :func:`rope_frequencies` but in float64: the tables are built from these."""
+    """Like :func:`~ropelib.rope_frequencies` but in float64: the tables are built from these."""
     rotary_dim = rotary_dim_for(head_dim, partial_rotary_factor)
     theta = check_positive_float(theta, "theta")
     if max_position_embeddings is not None:

@@ -30,7 +30,11 @@ from torch import nn
 from ._validation import check_choice, check_even, check_float_tensor, check_int, check_positions, check_positive_float
 from .frequencies import cos_sin_table, inverse_frequencies64
 
+#: Which features form a rotated pair. ``"half"`` pairs ``(i, i + r/2)`` (GPT-NeoX, Hugging Face),
+#: ``"interleaved"`` pairs ``(2i, 2i + 1)`` (GPT-J, Meta's LLaMA code, the seed post).
 LAYOUTS = ("half", "interleaved")
+#: How :class:`RotaryEmbedding` computes the rotation. ``"auto"`` is the fused kernel on CUDA and
+#: the PyTorch path elsewhere; ``"torch"`` and ``"triton"`` force one.
 BACKENDS = ("auto", "torch", "triton")
 
 
@@ -65,7 +69,7 @@ def apply_rotary(
 
     Args:
         x: ``[batch, seq, heads, head_dim]`` floating tensor.
-        cos, sin: ``[seq, r/2]`` or ``[batch, seq, r/2]`` (from :func:`ropelib.frequencies.cos_sin_table`).
+        cos, sin: ``[seq, r/2]`` or ``[batch, seq, r/2]`` (from :func:`ropelib.cos_sin_table`).
         layout: ``"half"`` or ``"interleaved"``.
 
     Returns:
@@ -248,7 +252,7 @@ class RotaryEmbedding(nn.Module):
 
     @classmethod
     def from_config(cls, config: Mapping[str, Any], *, layout: str = "half", backend: str = "auto") -> RotaryEmbedding:
-        """The rotary embedding of a model's ``config.json`` dict (parsed by :func:`ropelib.scaling.rope_config`).
+        """The rotary embedding of a model's ``config.json`` dict (parsed by :func:`ropelib.rope_config`).
 
         Example:
             >>> rope = RotaryEmbedding.from_config({"hidden_size": 64, "num_attention_heads": 4, "rope_theta": 500000.0,

@@ -42,7 +42,7 @@ class RopeScaling:
 
 
 ROPE_SCALINGS: dict[str, RopeScaling] = {}
-"""The registry: ``rope_type`` -> :class:`RopeScaling`."""
+"""The registry, ``rope_type`` -> :class:`RopeScaling`."""
 
 # Keys every dict may carry: the type itself and the base (checked against the ``theta`` argument).
 _COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
@@ -385,7 +385,7 @@ def scaled_inverse_frequencies(
     Args:
         rotary_dim: number of rotated features ``d`` (even).
         theta: the base ``b``.
-        scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`ROPE_SCALINGS`.
+        scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`~ropelib.scaling.ROPE_SCALINGS`.
         max_position_embeddings: the model's context length (read by ``dynamic``, and as the
             default of ``original_max_position_embeddings`` / ``factor`` by the others).
         seq_len: the current sequence length (read by ``dynamic`` and ``longrope``).

@@ -11,7 +11,7 @@ generated from the same template) do RoPE in two places:
    attention layer on ``q, k`` of shape ``[batch, heads, seq, head_dim]``:
    ``x * cos + rotate_half(x) * sin``.
 
-:func:`patch_hf_rope` swaps each (1) for :class:`HFRotaryEmbedding`, which builds the tables with
+:func:`~ropelib.patch_hf_rope` swaps each (1) for :class:`HFRotaryEmbedding`, which builds the tables with
 ropelib from the model's config (angles in float64, the scalings of :mod:`ropelib.scaling`),
 and wraps each (2) so that tables made by ropelib are applied by ropelib
 (:func:`ropelib.apply_rotary`, or the fused kernel where the backend has one). The wrapper
@@ -55,7 +55,7 @@ _PROBE_POSITIONS = 64
 # The name of the function each modeling module defines and its attention layers call.
 _APPLY = "apply_rotary_pos_emb"
 
-M = TypeVar("M", bound=nn.Module)
+ModelT = TypeVar("ModelT", bound=nn.Module)
 
 
 # ----------------------------------------------------------------------------- tables
@@ -135,7 +135,7 @@ class HFRotaryEmbedding(nn.Module):
 
     Args:
         config: the model's ``transformers`` config, or its ``config.json`` dict (read by
-            :func:`ropelib.scaling.rope_config`).
+            :func:`ropelib.rope_config`).
         backend: how the patched ``apply_rotary_pos_emb`` rotates with these tables:
             ``"auto"``, ``"torch"`` or ``"triton"`` (see :class:`ropelib.RotaryEmbedding`).
         original: the module this one replaces; :func:`unpatch_hf_rope` puts it back.
@@ -353,7 +353,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def patch_hf_rope(model: M, *, backend: str = "auto") -> M:
+def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
     r"""Make a ``transformers`` Llama-family model compute RoPE with ropelib; returns ``model``.
 
     Replaces every ``*RotaryEmbedding`` module of ``model`` by an :class:`HFRotaryEmbedding`
@@ -366,7 +366,7 @@ def patch_hf_rope(model: M, *, backend: str = "auto") -> M:
         x' = x \odot \cos(p\,f) + \mathrm{rotate\_half}(x) \odot \sin(p\,f),
 
     with the frequencies ``f`` of the config's ``rope_type`` (any of
-    :data:`SUPPORTED_ROPE_TYPES`: ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``,
+    :data:`~ropelib.integrations.huggingface.SUPPORTED_ROPE_TYPES`: ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``,
     ``"llama3"``, ``"longrope"``). Weights, buffers and the state dict are unchanged;
     logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
 
@@ -427,7 +427,7 @@ def patch_hf_rope(model: M, *, backend: str = "auto") -> M:
     return model
 
 
-def unpatch_hf_rope(model: M) -> M:
+def unpatch_hf_rope(model: ModelT) -> ModelT:
     """Undo :func:`patch_hf_rope`: put the original rotary modules back; returns ``model``.
 
     When no patched model is left in the process, the modeling modules' ``apply_rotary_pos_emb``
@@ -454,7 +454,7 @@ def unpatch_hf_rope(model: M) -> M:
 
 
 @contextlib.contextmanager
-def use_ropelib_rope(model: M, *, backend: str = "auto") -> Iterator[M]:
+def use_ropelib_rope(model: ModelT, *, backend: str = "auto") -> Iterator[ModelT]:
     """Context manager: ``model`` computes RoPE with ropelib inside the block, as before after it.
 
     Example:
