@@ -7,18 +7,19 @@ broadcast cos, the negated half, the concatenation, two products, the sum). Here
   complex multiply ``(a + ib)(cos + i sin)`` written into the preallocated output: one read of
   ``x``, one write.
 * ``"half"``: three operations with ``out=`` into the preallocated output,
-  ``out = x * cos`` (both halves at once), then ``out_a -= x_b sin`` and ``out_b += x_a sin``,
-  run over blocks of tokens of about 1 MiB so that the second and third operations re-read
-  data that is still in cache. Main memory sees roughly one read and one write.
+  ``out = x * cos`` (both halves at once, one contiguous pass), then ``out_a -= x_b sin`` and
+  ``out_b += x_a sin`` on the halves: no temporaries, about 2.5 passes' worth of traffic
+  instead of the eager version's ten.
 
-Both work on any device; float16/bfloat16 blocks are computed in float32 and rounded once.
+Both work on any device. float16/bfloat16 inputs go block by block (a few MiB of tokens)
+through a float32 buffer, so that the math is float32 and the result is rounded once.
 """
 
 from __future__ import annotations
 
 import torch
 
-BLOCK_BYTES = 1 << 20  # per block of tokens: fits in a core's L2 with its output
+BLOCK_BYTES = 4 << 20  # per block of tokens (low-precision inputs), q and k together
 
 
 def _token_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -81,6 +82,35 @@ def _rotate_interleaved_block(x: torch.Tensor, out: torch.Tensor, phase: torch.T
         out[..., : 2 * r2].unflatten(-1, (r2, 2)).copy_(work)
 
 
+def _rotate_whole(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: torch.Tensor | None) -> None:
+    """Rotate all of ``x`` ``[B, S, H, D]`` into ``out`` with whole-tensor operations (same dtype as the tables).
+
+    ``cos``/``sin`` are ``[B, S, r/2]``; ``phase`` is ``cos + i sin`` for the interleaved layout (None for half).
+    A few large operations: on a small shared CPU every parallel region is a barrier that a
+    descheduled thread can stall, so fewer is better than cache-sized blocks.
+    """
+    r2 = cos.shape[-1]
+    if phase is not None:
+        src = torch.view_as_complex(x[..., : 2 * r2].unflatten(-1, (r2, 2)))
+        if out.data_ptr() == x.data_ptr():
+            src.mul_(phase[:, :, None, :])
+        else:
+            torch.mul(src, phase[:, :, None, :], out=torch.view_as_complex(out[..., : 2 * r2].unflatten(-1, (r2, 2))))
+        return
+    src = x[..., : 2 * r2].unflatten(-1, (2, r2))
+    a, b = src[..., 0, :], src[..., 1, :]
+    c, s = cos[:, :, None, :], sin[:, :, None, :]
+    if out.data_ptr() == x.data_ptr():  # in place: keep a copy of x_a, then update both halves
+        a_old = a.clone()
+        a.mul_(c).addcmul_(b, s, value=-1.0)
+        b.mul_(c).addcmul_(a_old, s)
+        return
+    dst = out[..., : 2 * r2].unflatten(-1, (2, r2))
+    torch.mul(src, c[..., None, :], out=dst)  # both halves times cos: one contiguous pass
+    dst[..., 0, :].addcmul_(b, s, value=-1.0)
+    dst[..., 1, :].addcmul_(a, s)
+
+
 def rotate_qk_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -98,7 +128,9 @@ def rotate_qk_torch(
     Same contract as :func:`ropelib.kernels.triton_rope.launch_rotary_qk`: ``q`` ``[B, S, Hq, D]``,
     ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin`` the ``[L, r/2]`` cache
     (float32, or float64 for float64 input); ``positions`` int64 ``[B, S]``. Validation is the
-    caller's.
+    caller's. Inputs in the tables' dtype are rotated with whole-tensor operations; float16 and
+    bfloat16 ones block by block through a float32 buffer, so that the math is float32 and the
+    result is rounded once.
     """
     r2 = cos.shape[-1]
     compute = cos.dtype
@@ -107,19 +139,22 @@ def rotate_qk_torch(
         sin_t = -sin_t
     in_place = q_out.data_ptr() == q.data_ptr()
     head_dim = q.shape[-1]
-    if interleaved:
-        tables = [torch.complex(cos_t, sin_t)]
-    else:
-        tables = [cos_t, sin_t, -sin_t]
+    if q.dtype == compute:
+        phase = torch.complex(cos_t, sin_t) if interleaved else None
+        for x, out in ((q, q_out), (k, k_out)):
+            _rotate_whole(x, out, cos_t, sin_t, phase)
+            if not in_place and 2 * r2 < head_dim:
+                out[..., 2 * r2 :].copy_(x[..., 2 * r2 :])
+        return
+    tables = [torch.complex(cos_t, sin_t)] if interleaved else [cos_t, sin_t, -sin_t]
+    step = _block_tokens(q, k)
     work = {}
-    if q.dtype != compute or (in_place and not interleaved):  # a float buffer per tensor, reused by every block
-        step = _block_tokens(q, k)
-        for name, x in (("q", q), ("k", k)):
-            shape = (step, x.shape[2], r2, 2) if interleaved else (step, x.shape[2], 2, r2)
-            work[name] = torch.empty(shape, dtype=compute, device=x.device)
+    for name, x in (("q", q), ("k", k)):  # a float32 buffer per tensor, reused by every block
+        shape = (step, x.shape[2], r2, 2) if interleaved else (step, x.shape[2], 2, r2)
+        work[name] = torch.empty(shape, dtype=compute, device=x.device)
     for qb, kb, qob, kob, tb in _blocks(q, k, q_out, k_out, tables):
         for name, x, out in (("q", qb, qob), ("k", kb, kob)):
-            buf = work[name][: x.shape[0]] if work else None
+            buf = work[name][: x.shape[0]]
             if interleaved:
                 _rotate_interleaved_block(x, out, tb[0], buf)
             else:

@@ -51,19 +51,17 @@ def _rotate_head_block(
     heads = head0 + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_R2)
     head_ok = heads < num_heads
-    pair_ok = pairs < ROTARY_DIM // 2
-    mask = head_ok[:, None] & pair_ok[None, :]
-    if INTERLEAVED:
-        two = tl.arange(0, 2)
-        col = 2 * pairs[None, :, None] + two[None, None, :]
-        mask3 = mask[:, :, None] & (two[None, None, :] < 2)
-        x = tl.load(X + heads[:, None, None] * stride_xh + col, mask=mask3, other=0.0).to(cos.dtype)
-        a, b = tl.split(x)
+    if INTERLEAVED:  # a contiguous row of 2 * BLOCK_R2 features per head, split into pairs in registers
+        col = tl.arange(0, 2 * BLOCK_R2)
+        mask2 = head_ok[:, None] & (col[None, :] < ROTARY_DIM)
+        x = tl.load(X + heads[:, None] * stride_xh + col[None, :], mask=mask2, other=0.0).to(cos.dtype)
+        a, b = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_R2, 2]))
         ra = a * cos[None, :] - b * sin[None, :]
         rb = b * cos[None, :] + a * sin[None, :]
-        y = tl.join(ra, rb).to(OUT.dtype.element_ty)
-        tl.store(OUT + heads[:, None, None] * stride_oh + col, y, mask=mask3)
-    else:
+        y = tl.reshape(tl.join(ra, rb), [BLOCK_H, 2 * BLOCK_R2]).to(OUT.dtype.element_ty)
+        tl.store(OUT + heads[:, None] * stride_oh + col[None, :], y, mask=mask2)
+    else:  # two contiguous half-rows per head
+        mask = head_ok[:, None] & (pairs[None, :] < ROTARY_DIM // 2)
         col = pairs[None, :]
         x_ptr = X + heads[:, None] * stride_xh + col
         a = tl.load(x_ptr, mask=mask, other=0.0).to(cos.dtype)
