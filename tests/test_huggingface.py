@@ -183,6 +183,18 @@ def test_cached_decoding_with_left_padding_matches_unpatched(
         assert torch.allclose(patched.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
 
 
+def test_triton_backend_matches_unpatched() -> None:
+    # The fused Triton kernel that "auto" picks on CUDA; without CUDA it runs in Triton's interpreter
+    # (TRITON_INTERPRET=1, set by ropelib), slowly, hence one small prefill with per-row positions.
+    pytest.importorskip("triton")
+    reference = tiny_model("qwen2", "yarn")
+    patched = patched_copy(reference, backend="triton")
+    ids, mask = left_padded_batch([12, 7], total=12)
+    kwargs = {"attention_mask": mask, "position_ids": positions_from_mask(mask)}
+    with torch.no_grad():
+        assert_logits_close(reference(ids, **kwargs).logits, patched(ids, **kwargs).logits, mask)
+
+
 def test_generate_with_left_padding_matches_unpatched() -> None:
     reference = tiny_model("llama", "yarn")
     patched = patched_copy(reference)
