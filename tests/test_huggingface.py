@@ -195,6 +195,21 @@ def test_triton_backend_matches_unpatched() -> None:
         assert_logits_close(reference(ids, **kwargs).logits, patched(ids, **kwargs).logits, mask)
 
 
+def test_training_gradients_match_unpatched() -> None:
+    # Backpropagation through the patched rotation (ropelib's operator has its own backward,
+    # the rotation by -theta) gives the weights the same gradients as transformers' autograd.
+    reference = tiny_model("llama", "llama3")
+    patched = patched_copy(reference)
+    ids, _ = left_padded_batch([16, 16], total=16)
+    for model in (reference, patched):
+        model.train()
+        model(ids, labels=ids).loss.backward()
+    for (name, want), (_, got) in zip(reference.named_parameters(), patched.named_parameters()):
+        assert want.grad is not None and got.grad is not None, name
+        # same float32 argument as the logits, relative to the gradient's own scale
+        assert (want.grad - got.grad).abs().max() <= 1e-4 * max(1.0, want.grad.abs().max().item()), name
+
+
 def test_generate_with_left_padding_matches_unpatched() -> None:
     reference = tiny_model("llama", "yarn")
     patched = patched_copy(reference)
