@@ -358,25 +358,32 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--bias-shape", type=int, nargs=4, metavar=("B", "H", "N", "D"), default=None)
     parser.add_argument("--json", dest="json_path", default=None, help="write the results (with provenance) to this file")
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--raw-env", action="store_true", help="keep the environment (by default the CLI restarts itself with TUNED_ENV)")
+    parser.add_argument("--thp", action="store_true", help="restart with THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for CPU tensors)")
+    parser.add_argument("--raw-env", action="store_true", help="keep the environment (by default the CLI restarts itself with OMP_WAIT_POLICY=PASSIVE)")
     return parser
 
 
 TUNED_ENV = {
-    # PyTorch's switch for 2 MiB pages in its CPU allocator: fresh outputs then cost far fewer
-    # page faults, for every implementation alike (eager code allocates the most).
-    "THP_MEM_ALLOC_ENABLE": "1",
     # Idle OpenMP threads sleep instead of spinning: torch.compile's kernels bring their own
     # OpenMP runtime, and two spinning runtimes on two cores stall each other for milliseconds.
     "OMP_WAIT_POLICY": "PASSIVE",
 }
+# With --thp: PyTorch's switch for 2 MiB pages in its CPU allocator. Fresh outputs then cost far
+# fewer page faults, for every implementation alike (eager code allocates the most).
+THP_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
 def _reexec_with_tuned_env() -> None:
-    """Restart ``python -m ropelib.bench`` with :data:`TUNED_ENV` (read at start-up), unless set or ``--raw-env``."""
-    if "--raw-env" in sys.argv or all(os.environ.get(k) == v for k, v in TUNED_ENV.items()):
+    """Restart ``python -m ropelib.bench`` with :data:`TUNED_ENV` (and :data:`THP_ENV` for ``--thp``).
+
+    These are read when the process starts, hence the restart. ``--raw-env`` keeps the environment.
+    """
+    if "--raw-env" in sys.argv:
         return
-    env = {**os.environ, **TUNED_ENV}
+    wanted = {**TUNED_ENV, **(THP_ENV if "--thp" in sys.argv else {})}
+    if all(os.environ.get(k) == v for k, v in wanted.items()):
+        return
+    env = {**os.environ, **wanted}
     os.execve(sys.executable, [sys.executable, "-m", "ropelib.bench", *sys.argv[1:]], env)
 
 
@@ -398,7 +405,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "platform": platform.platform(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m ropelib.bench " + " ".join(sys.argv[1:]),
-        "env": {k: os.environ.get(k) for k in TUNED_ENV},
+        "env": {k: os.environ.get(k) for k in {**TUNED_ENV, **THP_ENV}},
     }
 
 

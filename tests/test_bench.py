@@ -1,0 +1,72 @@
+"""A tiny smoke run of ``python -m ropelib.bench`` and its byte count. No timing is asserted."""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ropelib.bench import main, parse_shape, rope_bytes
+
+ROOT = Path(__file__).resolve().parents[1]
+FIELDS = {"impl", "shape", "dtype", "layout", "mode", "median_ms", "times_ms", "bytes", "gbs", "pct_copy", "max_abs_error", "tolerance", "correct", "ratio_to_ropelib"}
+
+
+def test_rope_bytes_by_hand() -> None:
+    # (1, 4, 2, 1, 8) float32: q has 1*4*2*8 = 64 elements, k 32; each read and written once
+    # (2 * 96 * 4 = 768 bytes) plus 4 rows of 4 cos and 4 sin in float32 (128 bytes).
+    assert rope_bytes(1, 4, 2, 1, 8, torch.float32) == 896
+    # bfloat16 halves the tensor part only; the backward pass moves everything again.
+    assert rope_bytes(1, 4, 2, 1, 8, torch.bfloat16, "fwd+bwd") == 2 * (384 + 128)
+
+
+def test_parse_shape() -> None:
+    assert parse_shape("4,2048,32,8,128") == (4, 2048, 32, 8, 128)
+    for bad in ("4,2048,32,128", "1,2,3,2,8", "1,2,4,2,7"):
+        with pytest.raises(Exception, match="shape|head_dim|integers"):
+            parse_shape(bad)
+
+
+def test_json_report(tmp_path: Path) -> None:
+    path = tmp_path / "bench.json"
+    doc = main(["--shapes", "1,4,2,1,8", "--reps", "2", "--warmup", "0", "--no-compile", "--quiet", "--json", str(path)])
+    saved = json.loads(path.read_text())
+    assert saved == json.loads(json.dumps(doc))
+    for key in ("device", "device_type", "torch", "triton", "python", "date", "command", "copy_gbs", "results", "skipped"):
+        assert key in saved
+    assert saved["torch"] == torch.__version__ and saved["device_type"] == "cpu"
+    assert datetime.datetime.fromisoformat(saved["date"]).tzinfo is not None
+    assert saved["command"].startswith("python -m ropelib.bench")
+    assert saved["copy_gbs"] > 0
+    combos = {(r["layout"], r["mode"]) for r in saved["results"] if r["impl"] == "ropelib"}
+    assert combos == {("half", "fwd"), ("half", "fwd+bwd"), ("interleaved", "fwd"), ("interleaved", "fwd+bwd")}
+    for r in saved["results"]:
+        assert set(r) == FIELDS
+        assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
+        assert r["bytes"] == (896 if r["mode"] == "fwd" else 1792)  # the hand count above
+        assert r["gbs"] == pytest.approx(r["bytes"] / r["median_ms"] / 1e6)
+    # Every implementation is checked against the float64 reference before it is timed.
+    assert all(r["correct"] for r in saved["results"]), [(r["impl"], r["max_abs_error"]) for r in saved["results"]]
+    assert {"HF eager", "seed complex"} <= {r["impl"] for r in saved["results"]}
+
+
+def test_command_line(tmp_path: Path) -> None:
+    # The module entry point restarts itself with OMP_WAIT_POLICY=PASSIVE and records it.
+    path = tmp_path / "cli.json"
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "ropelib.bench", "--shapes", "1,2,2,2,4", "--layouts", "half", "--modes", "fwd",
+         "--reps", "1", "--warmup", "0", "--no-compile", "--quiet", "--json", str(path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "HF eager" in proc.stdout and "GB/s" in proc.stdout
+    saved = json.loads(path.read_text())
+    assert saved["env"]["OMP_WAIT_POLICY"] == "PASSIVE"
+    assert saved["command"].endswith(f"--json {path}")

@@ -1,0 +1,221 @@
+"""The fused RoPE kernels (ropelib.kernels) against the float64 rotation-matrix reference of conftest.py.
+
+Both kernels run here: the PyTorch path, and the Triton kernel (natively on a GPU, in Triton's
+interpreter on a CPU, where every program costs milliseconds: the shapes are tiny, a few dozen
+programs per launch). Expected values come from ``conftest.rotate_ref`` (one explicit float64
+2x2 rotation per pair and position), never from ropelib.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import EPS, rotate_ref
+from ropelib import RotaryEmbedding, default_device
+from ropelib.kernels import choose_kernel, rotary_qk
+from ropelib.kernels.ops import _rotary_qk_op
+
+DEVICE = default_device()
+KERNEL = pytest.mark.parametrize("kernel", ["torch", "triton"])
+LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
+THETA = 10000.0
+
+
+def tables(rotary_dim: int, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The module's cos/sin cache as the kernels take it (input data, not the expected values)."""
+    rope = RotaryEmbedding(rotary_dim, theta=THETA)
+    if dtype == torch.float64:
+        return rope.cos_sin(torch.arange(length), torch.float64)
+    cos, sin = rope.cos_sin_cache(length)
+    return cos[:length].to(DEVICE), sin[:length].to(DEVICE)
+
+
+def bound(ref: torch.Tensor, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Allowed ``|out - ref|`` per element: one unit in the last place of the output dtype (its single
+    rounding; the interpreter's bfloat16 conversion may truncate instead of rounding to nearest) plus
+    8 float32 ulps of the largest input for the float32 tables and products (each of cos, sin and the
+    two products and the sum contributes at most half an ulp of a term <= max|x|)."""
+    return EPS[dtype] * ref.abs() + 8 * EPS[torch.float32] * x.double().abs().max()
+
+
+def check(out: torch.Tensor, ref: torch.Tensor, x: torch.Tensor) -> None:
+    assert out.dtype == x.dtype and out.shape == x.shape
+    err = (out.double().cpu() - ref).abs()
+    assert bool((err <= bound(ref, x, x.dtype)).all()), f"max error {err.max().item():.3g}"
+
+
+# ----------------------------------------------------------------------------- against the reference
+
+
+@KERNEL
+@LAYOUT
+@pytest.mark.parametrize("rotary_dim", [16, 8])  # full and partial rotary (head_dim 16)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_matches_float64_reference(kernel: str, layout: str, rotary_dim: int, dtype: torch.dtype) -> None:
+    # GQA: 4 query heads, 1 key head (MQA); arbitrary per-batch positions gathered from a 40-row table.
+    q = torch.randn(2, 3, 4, 16).to(dtype)
+    k = torch.randn(2, 3, 1, 16).to(dtype)
+    positions = torch.tensor([[0, 17, 39], [5, 5, 2]])
+    cos, sin = tables(rotary_dim, 40)
+    q2, k2 = rotary_qk(q.to(DEVICE), k.to(DEVICE), cos, sin, positions, layout=layout, kernel=kernel)
+    for out, x in ((q2, q), (k2, k)):
+        check(out, rotate_ref(x, positions, theta=THETA, layout=layout, rotary_dim=rotary_dim), x)
+
+
+@KERNEL
+@pytest.mark.parametrize("positions", [None, "seq", "batch"])
+def test_position_forms(kernel: str, positions: str | None) -> None:
+    q, k = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8)
+    pos = {None: None, "seq": torch.tensor([3, 0, 63, 9]), "batch": torch.tensor([[1, 2, 3, 4], [60, 0, 61, 7]])}[positions]
+    cos, sin = tables(8, 64)
+    q2, k2 = rotary_qk(q.to(DEVICE), k.to(DEVICE), cos, sin, pos, kernel=kernel)
+    expected_pos = torch.arange(4) if pos is None else pos
+    check(q2, rotate_ref(q, expected_pos, theta=THETA), q)
+    check(k2, rotate_ref(k, expected_pos, theta=THETA), k)
+
+
+@KERNEL
+@LAYOUT
+def test_in_place_equals_out_of_place(kernel: str, layout: str) -> None:
+    q, k = torch.randn(1, 3, 2, 8, device=DEVICE), torch.randn(1, 3, 1, 8, device=DEVICE)
+    cos, sin = tables(6, 8)  # partial rotary: the tail must stay untouched in place too
+    expected = rotary_qk(q, k, cos, sin, layout=layout, kernel=kernel)
+    q_in, k_in = q.clone(), k.clone()
+    out = rotary_qk(q_in, k_in, cos, sin, layout=layout, kernel=kernel, inplace=True)
+    assert out[0] is q_in and out[1] is k_in
+    # Same arithmetic, same rounding: identical bits.
+    assert torch.equal(q_in, expected[0]) and torch.equal(k_in, expected[1])
+
+
+@KERNEL
+@LAYOUT
+def test_conjugate_undoes_the_rotation(kernel: str, layout: str) -> None:
+    q, k = torch.randn(2, 3, 2, 8, dtype=torch.float64), torch.randn(2, 3, 2, 8, dtype=torch.float64)
+    cos, sin = tables(8, 16, torch.float64)
+    pos = torch.tensor([[1, 9, 15], [0, 4, 4]])
+    q2, k2 = rotary_qk(q.to(DEVICE), k.to(DEVICE), cos.to(DEVICE), sin.to(DEVICE), pos, layout=layout, kernel=kernel)
+    q3, k3 = rotary_qk(q2, k2, cos.to(DEVICE), sin.to(DEVICE), pos, layout=layout, kernel=kernel, conjugate=True)
+    # R(-theta) R(theta) = I up to float64 rounding of a few products (|x| < 6): 1e-12 is ample.
+    torch.testing.assert_close(q3.cpu(), q, rtol=0, atol=1e-12)
+    torch.testing.assert_close(k3.cpu(), k, rtol=0, atol=1e-12)
+
+
+@KERNEL
+def test_strided_inputs(kernel: str) -> None:
+    # q as it comes out of a [batch, heads, seq, d] projection transposed: unit stride on d only.
+    q = torch.randn(2, 3, 5, 8).transpose(1, 2)
+    k = torch.randn(2, 5, 6, 16)[..., 4:12]
+    cos, sin = tables(8, 5)
+    q2, k2 = rotary_qk(q.to(DEVICE), k.to(DEVICE), cos, sin, kernel=kernel)
+    check(q2, rotate_ref(q, torch.arange(5), theta=THETA), q)
+    check(k2, rotate_ref(k, torch.arange(5), theta=THETA), k)
+
+
+# ----------------------------------------------------------------------------- autograd and compile
+
+
+@KERNEL
+@LAYOUT
+def test_gradcheck(kernel: str, layout: str) -> None:
+    cos, sin = tables(4, 8, torch.float64)
+    cos, sin = cos.to(DEVICE), sin.to(DEVICE)
+    q = torch.randn(1, 2, 2, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 2, 1, 6, dtype=torch.float64, device=DEVICE, requires_grad=True)
+    pos = torch.tensor([[3, 7]])
+
+    def f(q, k):
+        return rotary_qk(q, k, cos, sin, pos, layout=layout, kernel=kernel)
+
+    assert torch.autograd.gradcheck(f, (q, k), fast_mode=True)
+    if kernel == "torch":  # the backward is the same operator, so it is differentiable too
+        assert torch.autograd.gradgradcheck(f, (q, k), fast_mode=True)
+
+
+@LAYOUT
+def test_backward_is_the_inverse_rotation(layout: str) -> None:
+    # d<g, R x>/dx = R^T g = R(-theta) g: compare with the reference at negated positions.
+    q = torch.randn(1, 3, 2, 8, requires_grad=True)
+    k = torch.randn(1, 3, 1, 8, requires_grad=True)
+    g_q, g_k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    cos, sin = tables(8, 8)
+    pos = torch.tensor([2, 5, 7])
+    q2, k2 = rotary_qk(q, k, cos, sin, pos, layout=layout, kernel="torch")
+    dq, dk = torch.autograd.grad((q2, k2), (q, k), (g_q, g_k))
+    check(dq, rotate_ref(g_q, -pos, theta=THETA, layout=layout), g_q)
+    check(dk, rotate_ref(g_k, -pos, theta=THETA, layout=layout), g_k)
+
+
+@KERNEL
+def test_torch_compile_traces_without_graph_break(kernel: str) -> None:
+    rope = RotaryEmbedding(8, backend=kernel)
+    q = torch.randn(1, 4, 2, 8, device=DEVICE, requires_grad=True)
+    k = torch.randn(1, 4, 1, 8, device=DEVICE)
+
+    def loss(q, k):
+        q2, k2 = rope(q, k)
+        return (q2 * 2).sum() + k2.square().sum()
+
+    # fullgraph=True raises on any graph break; aot_eager traces the fake and autograd registrations.
+    compiled = torch.compile(loss, fullgraph=True, backend="aot_eager")
+    value = compiled(q, k)
+    (grad,) = torch.autograd.grad(value, q)
+    expected = rotate_ref(q.detach().cpu(), torch.arange(4), theta=THETA)
+    # loss = 2 sum(R q) + |R k|^2: float32 sums of 64 terms, 1e-4 relative is generous.
+    torch.testing.assert_close(value.double().cpu(), 2 * expected.sum() + k.double().cpu().square().sum(), rtol=1e-4, atol=1e-4)
+    # d/dq 2 sum(R q) = 2 R^T 1.
+    ones = torch.ones(1, 4, 2, 8)
+    torch.testing.assert_close(grad.double().cpu(), 2 * rotate_ref(ones, -torch.arange(4), theta=THETA), rtol=0, atol=1e-5)
+
+
+def test_operator_registrations_are_consistent() -> None:
+    # torch.library.opcheck: schema, fake (meta) function, autograd registration agree with the kernel.
+    cos, sin = tables(8, 8)
+    args = (torch.randn(1, 3, 2, 8, requires_grad=True), torch.randn(1, 3, 1, 8), cos, sin, torch.tensor([0, 1, 2]).expand(1, 3), False, False, False)
+    torch.library.opcheck(_rotary_qk_op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+
+
+# ----------------------------------------------------------------------------- the module's backends
+
+
+@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@LAYOUT
+def test_rotary_embedding_backends(backend: str, layout: str) -> None:
+    rope = RotaryEmbedding(8, layout=layout, rotary_dim=6, backend=backend)
+    q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
+    pos = torch.tensor([[0, 30, 2], [7, 7, 1]])
+    q2, k2 = rope(q.to(DEVICE), k.to(DEVICE), pos)
+    check(q2, rotate_ref(q, pos, theta=THETA, layout=layout, rotary_dim=6), q)
+    check(k2, rotate_ref(k, pos, theta=THETA, layout=layout, rotary_dim=6), k)
+
+
+def test_choose_kernel() -> None:
+    assert choose_kernel("auto", torch.device("cpu")) == "torch"
+    assert choose_kernel("auto", torch.device("cuda")) == "triton"
+    assert choose_kernel("triton", torch.device("cpu")) == "triton"
+    with pytest.raises(ValueError, match="kernel"):
+        choose_kernel("cuda", torch.device("cpu"))
+
+
+# ----------------------------------------------------------------------------- validation
+
+
+def test_rejects_bad_arguments() -> None:
+    q, k = torch.randn(1, 3, 2, 8), torch.randn(1, 3, 1, 8)
+    cos, sin = tables(8, 4)
+    with pytest.raises(TypeError, match="cos and sin must be torch.float32"):
+        rotary_qk(q, k, cos.double(), sin.double())
+    with pytest.raises(ValueError, match="positions must be < 4"):
+        rotary_qk(q, k, cos, sin, torch.tensor([0, 1, 4]))
+    with pytest.raises(TypeError, match="positions must be an integer"):
+        rotary_qk(q, k, cos, sin, torch.tensor([0.0, 1.0, 2.0]))
+    with pytest.raises(ValueError, match="share batch, seq and head_dim"):
+        rotary_qk(q, torch.randn(1, 2, 1, 8), cos, sin)
+    with pytest.raises(ValueError, match="head_dim"):
+        rotary_qk(torch.randn(1, 3, 2, 6), torch.randn(1, 3, 1, 6), cos, sin)
+    with pytest.raises(ValueError, match="inplace=True does not support autograd"):
+        rotary_qk(q.requires_grad_(), k, cos, sin, inplace=True)
+    with pytest.raises(ValueError, match="layout"):
+        rotary_qk(q, k, cos, sin, layout="neox")
+    with pytest.raises(ValueError, match="seq_len is 3"):
+        rotary_qk(q, k, cos[:2], sin[:2])
