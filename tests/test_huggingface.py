@@ -446,6 +446,36 @@ def test_rejects_a_model_with_interleaved_tables() -> None:
     assert model.model.rotary_emb is original_module
 
 
+def test_model_cast_to_bfloat16_is_patched_with_exact_tables() -> None:
+    # model.to(torch.bfloat16) also rounds transformers' inv_freq buffer (8 significant bits), so its
+    # tables agree with ropelib's only to ~p * 2^-8; the patch-time probe then compares the first 4
+    # positions with that tolerance, accepts the model, and the new tables are exact again.
+    model = tiny_model("llama").to(torch.bfloat16)
+    assert model.model.rotary_emb.inv_freq.dtype == torch.bfloat16
+    patch_hf_rope(model)
+    positions = [0, 1, 100, 1000]
+    want_cos, _ = reference_tables(positions, 16, 10000.0)
+    cos, _ = model.model.rotary_emb(torch.zeros(1), torch.tensor([positions]))  # float32 x: float32 tables
+    assert (cos[0].double() - want_cos).abs().max() <= 1e-7
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.arange(1, 9)[None]).logits).all()
+    unpatch_hf_rope(model)
+
+
+def test_coarse_probe_still_refuses_a_different_layout() -> None:
+    config = transformers.CohereConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+    )
+    model = transformers.CohereForCausalLM(config).to(torch.bfloat16)
+    with pytest.raises(ValueError, match="does not reproduce"):
+        patch_hf_rope(model)
+
+
 def test_rotary_module_input_checks() -> None:
     rotary = HFRotaryEmbedding(tiny_model("llama").config)
     with pytest.raises(TypeError, match="position_ids must be an integer"):

@@ -289,15 +289,21 @@ def _probe_tables(
     original: nn.Module, replacement: HFRotaryEmbedding, device: torch.device
 ) -> tuple[torch.Tensor, ...]:
     """Compare both modules' tables at positions below ``max_position_embeddings`` (no dynamic growth)."""
+    # After model.to(torch.bfloat16) the original's inv_freq buffer is rounded to 16 bits (eps 2^-7), and its
+    # angles p * inv_freq are off by up to p * eps: then only the first few positions are compared, with a
+    # tolerance of that size, which still tells a layout or scaling apart (differences of 0.1 and more).
+    eps = torch.finfo(original.get_buffer("inv_freq").dtype).eps
+    n = _PROBE_POSITIONS if eps <= torch.finfo(torch.float32).eps else 4
     max_positions = replacement.rope.max_position_embeddings
-    n = _PROBE_POSITIONS if max_positions is None else min(_PROBE_POSITIONS, max_positions)
+    n = n if max_positions is None else min(n, max_positions)
+    atol = _PROBE_ATOL + 2 * (n - 1) * eps
     x = torch.zeros(1, device=device)
     positions = torch.arange(n, device=device)[None]
     with torch.no_grad():
         expected = original(x, positions)
         got = replacement(x, positions)
     for want, have, label in zip(expected, got, ("cos", "sin")):
-        if want.shape != have.shape or not torch.allclose(want.float(), have.float(), rtol=0.0, atol=_PROBE_ATOL):
+        if want.shape != have.shape or not torch.allclose(want.float(), have.float(), rtol=0.0, atol=atol):
             raise ValueError(
                 f"{type(original).__name__} computes {label} tables that ropelib does not reproduce "
                 f"(a layout or scaling this integration does not know); the model was left unpatched"
@@ -369,6 +375,9 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
     :data:`~ropelib.integrations.huggingface.SUPPORTED_ROPE_TYPES`: ``"default"``, ``"linear"``, ``"dynamic"``, ``"yarn"``,
     ``"llama3"``, ``"longrope"``). Weights, buffers and the state dict are unchanged;
     logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
+    A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
+    bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
+    so the patch also removes that error, which grows with the position.
 
     Before changing anything it checks, on positions ``0 .. 63``, that ropelib's tables match the
     model's own and that the model's ``apply_rotary_pos_emb`` is the rotation ropelib applies;
