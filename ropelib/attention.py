@@ -12,7 +12,7 @@ applied to the feature maps as in RoFormer (section 3.3), linear in the sequence
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -110,13 +110,13 @@ class MultiHeadAttention(nn.Module):
         unknown = set(options) - allowed
         if unknown:
             raise ValueError(f"position={kind!r} takes options {sorted(allowed)}, got unknown {sorted(unknown)}")
-        if kind == "learned" and max_positions is None:
-            raise ValueError("position='learned' needs max_positions (the size of the learned table)")
         if kind != "learned" and max_positions is not None:
             raise ValueError(f"max_positions applies to position='learned' only, got it with {kind!r}")
         if kind == "sinusoidal":
             return SinusoidalPositionalEncoding(self.embed_dim, **options)
         if kind == "learned":
+            if max_positions is None:
+                raise ValueError("position='learned' needs max_positions (the size of the learned table)")
             return LearnedPositionalEmbedding(max_positions, self.embed_dim)
         if kind == "t5":
             return T5RelativeBias(self.num_heads, bidirectional=not self.causal, **options)
@@ -138,12 +138,12 @@ class MultiHeadAttention(nn.Module):
     def _project(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[batch, heads, seq, d]`` (k, v with ``num_kv_heads`` heads), encodings applied."""
         if self.position in ("sinusoidal", "learned"):
-            x = self.encoding(x, positions)
+            x = cast(nn.Module, self.encoding)(x, positions)
         q = _split_heads(self.q_proj(x), self.num_heads)
         k = _split_heads(self.k_proj(x), self.num_kv_heads)
         v = _split_heads(self.v_proj(x), self.num_kv_heads)
         if self.position == "rope":
-            q, k = self.encoding(q, k, positions)
+            q, k = cast(RotaryEmbedding, self.encoding)(q, k, positions)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _score_bias(self, q: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
@@ -152,11 +152,11 @@ class MultiHeadAttention(nn.Module):
             return None
         rel = _relative_from_positions(positions)
         if self.position == "t5":
-            bias = self.encoding(rel)
+            bias = cast(T5RelativeBias, self.encoding)(rel)
         elif self.position == "alibi":
             bias = alibi_bias_from_relative(self.alibi_slopes, rel, dtype=torch.float64)  # rounded once below
         else:
-            return self.encoding.score_bias(q, rel)
+            return cast(ShawRelativePosition, self.encoding).score_bias(q, rel)
         return (bias if bias.ndim == 4 else bias.unsqueeze(0)).to(q.dtype)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -186,12 +186,13 @@ class MultiHeadAttention(nn.Module):
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         bias = self._score_bias(q, positions)
-        if self.position == "shaw" and self.encoding.value_table is not None:
+        shaw = self.encoding if isinstance(self.encoding, ShawRelativePosition) else None
+        if shaw is not None and shaw.value_table is not None and bias is not None:
             scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim) + bias
             if self.causal:
                 scores = scores.masked_fill(_causal_mask(x.shape[1], x.device), float("-inf"))
             weights = scores.softmax(-1)
-            out = weights @ v + self.encoding.value_term(weights, _relative_from_positions(positions))
+            out = weights @ v + shaw.value_term(weights, _relative_from_positions(positions))
         elif bias is None:
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         else:

@@ -32,8 +32,8 @@ import math
 import platform
 import sys
 import time
-from collections.abc import Iterable, Sequence
-from typing import Any
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -175,8 +175,9 @@ def with_rope_scaling(model: TinyTransformer, scaling: dict[str, Any]) -> TinyTr
         raise ValueError(f"test-time scaling applies to a RoPE model, got encoding={model.encoding!r}")
     scaled = copy.deepcopy(model)
     for block in scaled.blocks:
-        old = block.attn.encoding
-        block.attn.encoding = RotaryEmbedding(
+        attention = cast(Block, block).attn
+        old = cast(RotaryEmbedding, attention.encoding)
+        attention.encoding = RotaryEmbedding(
             old.head_dim, old.theta, old.layout, scaling=scaling,
             max_position_embeddings=model.config.train_length, backend=old.backend,
         )
@@ -214,7 +215,7 @@ def train(
 
 
 @contextlib.contextmanager
-def _one_thread_on_cpu(device: torch.device):
+def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
     """On a CPU, run on one thread: for matrices this small, threads cost more in sync than they gain."""
     threads = torch.get_num_threads()
     if device.type == "cpu":

@@ -48,7 +48,9 @@ ROPE_SCALINGS: dict[str, RopeScaling] = {}
 _COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
 
 
-def _register(name: str, required: set[str] = frozenset(), optional: set[str] = frozenset()):
+def _register(
+    name: str, required: frozenset[str] = frozenset(), optional: frozenset[str] = frozenset()
+) -> Callable[[ScalingFunction], ScalingFunction]:
     def add(fn: ScalingFunction) -> ScalingFunction:
         ROPE_SCALINGS[name] = RopeScaling(fn, frozenset(required), frozenset(optional))
         return fn
@@ -425,8 +427,12 @@ def frequency_seq_len(
         current: the ``seq_len`` the present frequencies were computed for (``None``: the original ones).
         max_position_embeddings: the model's context length.
     """
+    if scaling is None:
+        return None
     rope_type = rope_type_of(scaling)
     if rope_type == "dynamic":
+        if max_position_embeddings is None:
+            raise ValueError("dynamic scaling needs max_position_embeddings (the length the model was trained for)")
         # As transformers: grow past the longest length seen; reset only strictly below the original
         # length (a sequence of exactly max_position_embeddings keeps grown frequencies).
         if needed > (max_position_embeddings if current is None else current):
@@ -506,7 +512,7 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
     max_positions = config.get("max_position_embeddings")
     if max_positions is not None:
         max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
-    scaling = {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
+    scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
     if scaling and "rope_type" not in scaling and "type" not in scaling:
         scaling["rope_type"] = "default"
     if "type" in scaling and "rope_type" in scaling:
