@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,7 +49,7 @@ _COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
 
 
 def _register(
-    name: str, required: frozenset[str] = frozenset(), optional: frozenset[str] = frozenset()
+    name: str, required: Iterable[str] = (), optional: Iterable[str] = ()
 ) -> Callable[[ScalingFunction], ScalingFunction]:
     def add(fn: ScalingFunction) -> ScalingFunction:
         ROPE_SCALINGS[name] = RopeScaling(fn, frozenset(required), frozenset(optional))
@@ -512,7 +512,7 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
     max_positions = config.get("max_position_embeddings")
     if max_positions is not None:
         max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
-    scaling: dict[str, Any] | None = {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
+    scaling = {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
     if scaling and "rope_type" not in scaling and "type" not in scaling:
         scaling["rope_type"] = "default"
     if "type" in scaling and "rope_type" in scaling:
@@ -529,13 +529,12 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
         scaling["original_max_position_embeddings"] = top
     if rope_type == "default":
         validate_scaling(scaling or {"rope_type": "default"})
-        scaling = None
     else:
         scaled_inverse_frequencies(rotary_dim, theta, scaling, max_position_embeddings=max_positions)  # validates now
     return {
         "head_dim": head_dim,
         "theta": theta,
         "rotary_dim": rotary_dim,
-        "scaling": scaling,
+        "scaling": None if rope_type == "default" else scaling,
         "max_position_embeddings": max_positions,
     }
