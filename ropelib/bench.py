@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import platform
@@ -113,7 +114,9 @@ def copy_fn(nbytes: int, device: torch.device) -> tuple[Callable[[], Any], int]:
     return (lambda: dst.copy_(src)), 2 * count * 4
 
 
-def rope_bytes(batch: int, seq: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, mode: str = "fwd") -> int:
+def rope_bytes(
+    batch: int, seq: int, q_heads: int, kv_heads: int, head_dim: int, dtype: torch.dtype, mode: str = "fwd"
+) -> int:
     r"""The bytes a RoPE pass cannot avoid: read q and k once, write them once, read the cos/sin rows once.
 
     .. math:: B_{\text{fwd}} = 2\,b\,s\,(h_q + h_k)\,d\,e + 2\,s\,\tfrac{d}{2}\cdot 4
@@ -134,7 +137,9 @@ def rope_bytes(batch: int, seq: int, q_heads: int, kv_heads: int, head_dim: int,
 # ----------------------------------------------------------------------------- peers
 
 
-def _full_width(cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def _full_width(
+    cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[S, r/2]`` tables widened to ``[S, 1, r]`` in ``dtype``, the way eager code holds them."""
     if layout == "half":
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
@@ -160,7 +165,13 @@ def eager_peer(cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.d
 
 
 def implementations(
-    cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype, device: torch.device, *, compile_peer: bool = True
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layout: str,
+    dtype: torch.dtype,
+    device: torch.device,
+    *,
+    compile_peer: bool = True,
 ) -> tuple[dict[str, tuple[Impl, str]], dict[str, str]]:
     """The implementations available here: name -> (function, the layout it computes), and name -> why skipped.
 
@@ -173,7 +184,10 @@ def implementations(
     impls["ropelib"] = ((lambda q, k: rotary_qk(q, k, cos, sin, layout=layout)), layout)
     impls["ropelib (in place)"] = ((lambda q, k: rotary_qk(q, k, cos, sin, layout=layout, inplace=True)), layout)
     if device.type == "cuda":
-        impls["ropelib (torch path)"] = ((lambda q, k: rotary_qk(q, k, cos, sin, layout=layout, kernel="torch")), layout)
+        impls["ropelib (torch path)"] = (
+            (lambda q, k: rotary_qk(q, k, cos, sin, layout=layout, kernel="torch")),
+            layout,
+        )
     eager = eager_peer(cos, sin, layout, dtype)
     impls["HF eager"] = (eager, layout)
     pos_cis = torch.complex(cos, sin)
@@ -181,7 +195,7 @@ def implementations(
     if compile_peer:
         impls["torch.compile(HF eager)"] = (torch.compile(eager), layout)
     try:
-        from rotary_embedding_torch import apply_rotary_emb as ret_apply
+        from rotary_embedding_torch import apply_rotary_emb as ret_apply  # type: ignore[import-untyped]
 
         freqs = torch.atan2(sin, cos).repeat_interleave(2, -1)[:, None, :]  # [S, 1, r]: its table of angles
 
@@ -196,7 +210,7 @@ def implementations(
         skipped["flash-attn"] = "CUDA-only"
         return impls, skipped
     try:
-        from liger_kernel.ops.rope import LigerRopeFunction
+        from liger_kernel.ops.rope import LigerRopeFunction  # type: ignore[import-untyped]
 
         wide_cos, wide_sin = torch.cat((cos, cos), -1)[None], torch.cat((sin, sin), -1)[None]
 
@@ -208,7 +222,7 @@ def implementations(
     except ImportError:
         skipped["liger-kernel"] = "not installed"
     try:
-        from flash_attn.layers.rotary import apply_rotary_emb as fa_apply
+        from flash_attn.layers.rotary import apply_rotary_emb as fa_apply  # type: ignore[import-not-found]
 
         interleaved = layout == "interleaved"
 
@@ -287,15 +301,20 @@ def run_config(
         progress.refresh()
     refs = {}
     for ref_layout in {impl_layout for _, impl_layout in impls.values()}:
-        cos64, sin64 = RotaryEmbedding(head_dim, layout=ref_layout).cos_sin(torch.arange(seq, device=device), torch.float64)
-        refs[ref_layout] = tuple(apply_rotary(t.double(), cos64, sin64, layout=ref_layout) for t in (q, k))
+        cos64, sin64 = RotaryEmbedding(head_dim, layout=ref_layout).cos_sin(
+            torch.arange(seq, device=device), torch.float64
+        )
+        refs[ref_layout] = (
+            apply_rotary(q.double(), cos64, sin64, layout=ref_layout),
+            apply_rotary(k.double(), cos64, sin64, layout=ref_layout),
+        )
     errors = {}
     with torch.no_grad():
         for name, (fn, impl_layout) in impls.items():
             errors[name] = _max_error(fn(q.clone(), k.clone()), refs[impl_layout])
     del refs
     if mode == "fwd":
-        calls = {name: (lambda fn=fn: fn(q, k)) for name, (fn, _) in impls.items()}
+        calls: dict[str, Callable[[], Any]] = {name: functools.partial(fn, q, k) for name, (fn, _) in impls.items()}
         with torch.no_grad():
             times = time_interleaved(calls, device, reps=reps, warmup=warmup, progress=progress)
     else:
@@ -305,7 +324,7 @@ def run_config(
         def step(fn: Impl) -> None:
             torch.autograd.grad(fn(qg, kg), (qg, kg), grads)
 
-        calls = {name: (lambda fn=fn: step(fn)) for name, (fn, _) in impls.items()}
+        calls = {name: functools.partial(step, fn) for name, (fn, _) in impls.items()}
         times = time_interleaved(calls, device, reps=reps, warmup=warmup, progress=progress)
     nbytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
     tol = reference_tolerance(dtype)
@@ -315,9 +334,19 @@ def run_config(
         gbs = nbytes / median / 1e9
         results.append(
             Result(
-                impl=name, shape=list(shape), dtype=str(dtype).removeprefix("torch."), layout=layout, mode=mode,
-                median_ms=median * 1e3, times_ms=[t * 1e3 for t in times[name]], bytes=nbytes, gbs=gbs,
-                pct_copy=100.0 * gbs / copy_gbs, max_abs_error=errors[name], tolerance=tol, correct=errors[name] <= tol,
+                impl=name,
+                shape=list(shape),
+                dtype=str(dtype).removeprefix("torch."),
+                layout=layout,
+                mode=mode,
+                median_ms=median * 1e3,
+                times_ms=[t * 1e3 for t in times[name]],
+                bytes=nbytes,
+                gbs=gbs,
+                pct_copy=100.0 * gbs / copy_gbs,
+                max_abs_error=errors[name],
+                tolerance=tol,
+                correct=errors[name] <= tol,
             )
         )
     ours = next(r.median_ms for r in results if r.impl == "ropelib")
@@ -339,13 +368,17 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"shape entries must be integers, got {text!r}") from exc
     if min(values) < 1 or values[4] % 2 or values[2] % values[3]:
-        raise argparse.ArgumentTypeError(f"need positive sizes, even head_dim and kv_heads dividing q_heads, got {text!r}")
+        raise argparse.ArgumentTypeError(
+            f"need positive sizes, even head_dim and kv_heads dividing q_heads, got {text!r}"
+        )
     return values  # type: ignore[return-value]
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ropelib.bench", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--shapes", type=parse_shape, nargs="+", help="batch,seq,q_heads,kv_heads,head_dim (default: one per device)")
+    parser.add_argument(
+        "--shapes", type=parse_shape, nargs="+", help="batch,seq,q_heads,kv_heads,head_dim (default: one per device)"
+    )
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -353,13 +386,25 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--reps", type=int, default=7, help="timed rounds (default 7)")
     parser.add_argument("--warmup", type=int, default=2, help="untimed rounds first (default 2)")
     parser.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    parser.add_argument("--no-compile", action="store_true", help="leave out the torch.compile peer (its compilation is slow)")
-    parser.add_argument("--bias", action="store_true", help="also time relative-bias attention (materialized vs flex_attention)")
+    parser.add_argument(
+        "--no-compile", action="store_true", help="leave out the torch.compile peer (its compilation is slow)"
+    )
+    parser.add_argument(
+        "--bias", action="store_true", help="also time relative-bias attention (materialized vs flex_attention)"
+    )
     parser.add_argument("--bias-shape", type=int, nargs=4, metavar=("B", "H", "N", "D"), default=None)
-    parser.add_argument("--json", dest="json_path", default=None, help="write the results (with provenance) to this file")
+    parser.add_argument(
+        "--json", dest="json_path", default=None, help="write the results (with provenance) to this file"
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bar")
-    parser.add_argument("--thp", action="store_true", help="restart with THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for CPU tensors)")
-    parser.add_argument("--raw-env", action="store_true", help="keep the environment (by default the CLI restarts itself with OMP_WAIT_POLICY=PASSIVE)")
+    parser.add_argument(
+        "--thp", action="store_true", help="restart with THP_MEM_ALLOC_ENABLE=1 (2 MiB pages for CPU tensors)"
+    )
+    parser.add_argument(
+        "--raw-env",
+        action="store_true",
+        help="keep the environment (by default the CLI restarts itself with OMP_WAIT_POLICY=PASSIVE)",
+    )
     return parser
 
 
@@ -434,7 +479,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     configs = [(s, d, lay, m) for s in shapes for d in dtypes for lay in args.layouts for m in args.modes]
     from tqdm.auto import tqdm
 
-    copy_call, copy_bytes = copy_fn(max(rope_bytes(*s, torch.float32) // 2 for s in shapes), device)
+    copy_call, copy_bytes = copy_fn(
+        max(rope_bytes(b, s, hq, hk, d, torch.float32) // 2 for b, s, hq, hk, d in shapes), device
+    )
     copy_times = time_interleaved({"copy": copy_call}, device, reps=args.reps, warmup=args.warmup)
     copy_gbs = copy_bytes / statistics.median(copy_times["copy"]) / 1e9
     results: list[Result] = []
@@ -443,8 +490,17 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         for shape, dtype, layout, mode in configs:
             bar.set_postfix_str(f"{shape} {str(dtype)[6:]} {layout} {mode}")
             out, skip = run_config(
-                shape, dtype, layout, mode, device, reps=args.reps, warmup=args.warmup, copy_gbs=copy_gbs,
-                only=args.impls, compile_peer=not args.no_compile, progress=bar,
+                shape,
+                dtype,
+                layout,
+                mode,
+                device,
+                reps=args.reps,
+                warmup=args.warmup,
+                copy_gbs=copy_gbs,
+                only=args.impls,
+                compile_peer=not args.no_compile,
+                progress=bar,
             )
             results += out
             skipped.update(skip)

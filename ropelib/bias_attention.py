@@ -110,7 +110,9 @@ def flex_bias_attention(
         return flex_attention(q, k, v, score_mod=score_mod)
 
 
-def bias_setups(kind: str, heads: int, seq_len: int, device: torch.device) -> tuple[Callable[[], torch.Tensor], ScoreMod]:
+def bias_setups(
+    kind: str, heads: int, seq_len: int, device: torch.device
+) -> tuple[Callable[[], torch.Tensor], ScoreMod]:
     """A function building the materialized ``[heads, n, n]`` bias, and the equivalent ``score_mod``.
 
     ``kind`` is ``"alibi"`` or ``"t5"``; T5's weights are drawn with a fixed seed (in a model they
@@ -165,7 +167,9 @@ def benchmark_bias(
 
         with torch.no_grad():
             diff = (materialized() - flex()).abs().max().item()
-            times = time_interleaved({"materialized": materialized, "flex_attention": flex}, device, reps=reps, warmup=warmup)
+            times = time_interleaved(
+                {"materialized": materialized, "flex_attention": flex}, device, reps=reps, warmup=warmup
+            )
         for method, values in times.items():
             rows.append(
                 {

@@ -15,7 +15,22 @@ import torch
 from ropelib.bench import main, parse_shape, rope_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
-FIELDS = {"impl", "shape", "dtype", "layout", "mode", "median_ms", "times_ms", "bytes", "gbs", "pct_copy", "max_abs_error", "tolerance", "correct", "ratio_to_ropelib"}
+FIELDS = {
+    "impl",
+    "shape",
+    "dtype",
+    "layout",
+    "mode",
+    "median_ms",
+    "times_ms",
+    "bytes",
+    "gbs",
+    "pct_copy",
+    "max_abs_error",
+    "tolerance",
+    "correct",
+    "ratio_to_ropelib",
+}
 
 
 def test_rope_bytes_by_hand() -> None:
@@ -35,10 +50,23 @@ def test_parse_shape() -> None:
 
 def test_json_report(tmp_path: Path) -> None:
     path = tmp_path / "bench.json"
-    doc = main(["--shapes", "1,4,2,1,8", "--reps", "2", "--warmup", "0", "--no-compile", "--quiet", "--json", str(path)])
+    doc = main(
+        ["--shapes", "1,4,2,1,8", "--reps", "2", "--warmup", "0", "--no-compile", "--quiet", "--json", str(path)]
+    )
     saved = json.loads(path.read_text())
     assert saved == json.loads(json.dumps(doc))
-    for key in ("device", "device_type", "torch", "triton", "python", "date", "command", "copy_gbs", "results", "skipped"):
+    for key in (
+        "device",
+        "device_type",
+        "torch",
+        "triton",
+        "python",
+        "date",
+        "command",
+        "copy_gbs",
+        "results",
+        "skipped",
+    ):
         assert key in saved
     assert saved["torch"] == torch.__version__ and saved["device_type"] == "cpu"
     assert datetime.datetime.fromisoformat(saved["date"]).tzinfo is not None
@@ -61,9 +89,30 @@ def test_command_line(tmp_path: Path) -> None:
     path = tmp_path / "cli.json"
     env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
     proc = subprocess.run(
-        [sys.executable, "-m", "ropelib.bench", "--shapes", "1,2,2,2,4", "--layouts", "half", "--modes", "fwd",
-         "--reps", "1", "--warmup", "0", "--no-compile", "--quiet", "--json", str(path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "ropelib.bench",
+            "--shapes",
+            "1,2,2,2,4",
+            "--layouts",
+            "half",
+            "--modes",
+            "fwd",
+            "--reps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-compile",
+            "--quiet",
+            "--json",
+            str(path),
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "HF eager" in proc.stdout and "GB/s" in proc.stdout

@@ -31,7 +31,9 @@ TOL = dict(rtol=0.0, atol=1e-5)
 
 def alibi_ref() -> torch.Tensor:
     slopes = [2.0 ** (-8.0 * (h + 1) / HEADS) for h in range(HEADS)]  # paper: geometric, power-of-two heads
-    return torch.tensor([[[-slopes[h] * abs(j - i) for j in range(SEQ)] for i in range(SEQ)] for h in range(HEADS)], dtype=torch.float64)
+    return torch.tensor(
+        [[[-slopes[h] * abs(j - i) for j in range(SEQ)] for i in range(SEQ)] for h in range(HEADS)], dtype=torch.float64
+    )
 
 
 def t5_ref(module: T5RelativeBias) -> torch.Tensor:
@@ -39,7 +41,9 @@ def t5_ref(module: T5RelativeBias) -> torch.Tensor:
     bias = torch.empty(HEADS, SEQ, SEQ, dtype=torch.float64)
     for i in range(SEQ):
         for j in range(SEQ):
-            bucket = int(t5_relative_bucket(torch.tensor(j - i), module.bidirectional, module.num_buckets, module.max_distance))
+            bucket = int(
+                t5_relative_bucket(torch.tensor(j - i), module.bidirectional, module.num_buckets, module.max_distance)
+            )
             bias[:, i, j] = w[bucket]
     return bias
 
@@ -55,7 +59,9 @@ def test_alibi_both_ways() -> None:
 
     build, score_mod = bias_setups("alibi", HEADS, SEQ, torch.device("cpu"))
     torch.testing.assert_close(materialized_bias_attention(q, k, v, build()).double(), expected, **TOL)
-    torch.testing.assert_close(flex_bias_attention(q, k, v, alibi_score_mod(alibi_slopes(HEADS)), compiled=False).double(), expected, **TOL)
+    torch.testing.assert_close(
+        flex_bias_attention(q, k, v, alibi_score_mod(alibi_slopes(HEADS)), compiled=False).double(), expected, **TOL
+    )
     torch.testing.assert_close(flex_bias_attention(q, k, v, score_mod, compiled=False).double(), expected, **TOL)
 
 

@@ -67,7 +67,9 @@ def test_matches_float64_reference(kernel: str, layout: str, rotary_dim: int, dt
 @pytest.mark.parametrize("positions", [None, "seq", "batch"])
 def test_position_forms(kernel: str, positions: str | None) -> None:
     q, k = torch.randn(2, 4, 2, 8), torch.randn(2, 4, 2, 8)
-    pos = {None: None, "seq": torch.tensor([3, 0, 63, 9]), "batch": torch.tensor([[1, 2, 3, 4], [60, 0, 61, 7]])}[positions]
+    pos = {None: None, "seq": torch.tensor([3, 0, 63, 9]), "batch": torch.tensor([[1, 2, 3, 4], [60, 0, 61, 7]])}[
+        positions
+    ]
     cos, sin = tables(8, 64)
     q2, k2 = rotary_qk(q.to(DEVICE), k.to(DEVICE), cos, sin, pos, kernel=kernel)
     expected_pos = torch.arange(4) if pos is None else pos
@@ -162,17 +164,32 @@ def test_torch_compile_traces_without_graph_break(kernel: str) -> None:
     (grad,) = torch.autograd.grad(value, q)
     expected = rotate_ref(q.detach().cpu(), torch.arange(4), theta=THETA)
     # loss = 2 sum(R q) + |R k|^2: float32 sums of 64 terms, 1e-4 relative is generous.
-    torch.testing.assert_close(value.double().cpu(), 2 * expected.sum() + k.double().cpu().square().sum(), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(
+        value.double().cpu(), 2 * expected.sum() + k.double().cpu().square().sum(), rtol=1e-4, atol=1e-4
+    )
     # d/dq 2 sum(R q) = 2 R^T 1.
     ones = torch.ones(1, 4, 2, 8)
-    torch.testing.assert_close(grad.double().cpu(), 2 * rotate_ref(ones, -torch.arange(4), theta=THETA), rtol=0, atol=1e-5)
+    torch.testing.assert_close(
+        grad.double().cpu(), 2 * rotate_ref(ones, -torch.arange(4), theta=THETA), rtol=0, atol=1e-5
+    )
 
 
 def test_operator_registrations_are_consistent() -> None:
     # torch.library.opcheck: schema, fake (meta) function, autograd registration agree with the kernel.
     cos, sin = tables(8, 8)
-    args = (torch.randn(1, 3, 2, 8, requires_grad=True), torch.randn(1, 3, 1, 8), cos, sin, torch.tensor([0, 1, 2]).expand(1, 3), False, False, False)
-    torch.library.opcheck(_rotary_qk_op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor"))
+    args = (
+        torch.randn(1, 3, 2, 8, requires_grad=True),
+        torch.randn(1, 3, 1, 8),
+        cos,
+        sin,
+        torch.tensor([0, 1, 2]).expand(1, 3),
+        False,
+        False,
+        False,
+    )
+    torch.library.opcheck(
+        _rotary_qk_op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
+    )
 
 
 # ----------------------------------------------------------------------------- the module's backends

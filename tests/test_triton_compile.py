@@ -81,7 +81,12 @@ CASES = [
 def compiled() -> list[dict]:
     env = {**os.environ, "TRITON_INTERPRET": "0"}  # ropelib keeps an explicit 0 (it only sets a default)
     proc = subprocess.run(
-        [sys.executable, "-c", SCRIPT, json.dumps(CASES)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     if proc.returncode != 0 and "ptxas" in proc.stderr and "not found" in proc.stderr.lower():
         pytest.skip("this Triton build has no ptxas to assemble a cubin")

@@ -17,6 +17,8 @@ through a float32 buffer, so that the math is float32 and the result is rounded 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 BLOCK_BYTES = 4 << 20  # per block of tokens (low-precision inputs), q and k together
@@ -36,19 +38,24 @@ def _block_tokens(q: torch.Tensor, k: torch.Tensor) -> int:
     return max(1, BLOCK_BYTES // max(per_token, 1))
 
 
-def _blocks(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, tables: list[torch.Tensor]):
+Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
+
+
+def _blocks(
+    q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, tables: list[torch.Tensor]
+) -> Iterator[Block]:
     """Yield ``(q, k, q_out, k_out, tables)`` slices over blocks of tokens ``[T, H, D]``/``[T, r/2]``.
 
     Tables are ``[B, S, r/2]`` (possibly expanded over the batch).
     """
     batch, seq = q.shape[:2]
     step = _block_tokens(q, k)
-    views = [_token_view(t) for t in (q, k, q_out, k_out)]
-    if all(v is not None for v in views):
+    views = [v for v in (_token_view(t) for t in (q, k, q_out, k_out)) if v is not None]
+    if len(views) == 4:
         flat = [t.reshape(batch * seq, t.shape[-1]) for t in tables]
         for t0 in range(0, batch * seq, step):
             sl = slice(t0, t0 + step)
-            yield (*(v[sl] for v in views), [t[sl] for t in flat])
+            yield (views[0][sl], views[1][sl], views[2][sl], views[3][sl], [t[sl] for t in flat])
         return
     for b in range(batch):
         for s0 in range(0, seq, step):
@@ -56,7 +63,14 @@ def _blocks(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.
             yield (q[b, sl], k[b, sl], q_out[b, sl], k_out[b, sl], [t[b, sl] for t in tables])
 
 
-def _rotate_half_block(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, neg_sin: torch.Tensor, work: torch.Tensor | None) -> None:
+def _rotate_half_block(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    neg_sin: torch.Tensor,
+    work: torch.Tensor | None,
+) -> None:
     """``out[..., :r] = R x[..., :r]`` for one block ``[T, H, D]``, "half" layout; ``cos`` etc. ``[T, r/2]``."""
     r2 = cos.shape[-1]
     src = x[..., : 2 * r2].unflatten(-1, (2, r2))  # [T, H, 2, r/2]: (x_a, x_b)
@@ -68,7 +82,9 @@ def _rotate_half_block(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, si
         out[..., : 2 * r2].unflatten(-1, (2, r2)).copy_(dst)
 
 
-def _rotate_interleaved_block(x: torch.Tensor, out: torch.Tensor, phase: torch.Tensor, work: torch.Tensor | None) -> None:
+def _rotate_interleaved_block(
+    x: torch.Tensor, out: torch.Tensor, phase: torch.Tensor, work: torch.Tensor | None
+) -> None:
     """``out[..., :r] = R x[..., :r]`` for one block, "interleaved" layout, as a complex product; ``phase`` ``[T, r/2]``."""
     r2 = phase.shape[-1]
     src = x[..., : 2 * r2].unflatten(-1, (r2, 2))
@@ -82,7 +98,9 @@ def _rotate_interleaved_block(x: torch.Tensor, out: torch.Tensor, phase: torch.T
         out[..., : 2 * r2].unflatten(-1, (r2, 2)).copy_(work)
 
 
-def _rotate_whole(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: torch.Tensor | None) -> None:
+def _rotate_whole(
+    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: torch.Tensor | None
+) -> None:
     """Rotate all of ``x`` ``[B, S, H, D]`` into ``out`` with whole-tensor operations (same dtype as the tables).
 
     ``cos``/``sin`` are ``[B, S, r/2]``; ``phase`` is ``cos + i sin`` for the interleaved layout (None for half).

@@ -17,6 +17,8 @@ transpose is its inverse.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from .._validation import check_choice, check_float_tensor, check_positions
@@ -42,7 +44,18 @@ def choose_kernel(kernel: str, device: torch.device) -> str:
     return "triton" if device.type == "cuda" else "torch"
 
 
-def _launch(q, k, q_out, k_out, cos, sin, positions, interleaved: bool, conjugate: bool, use_triton: bool) -> None:
+def _launch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    conjugate: bool,
+    use_triton: bool,
+) -> None:
     if use_triton:
         from .triton_rope import launch_rotary_qk
 
@@ -73,7 +86,7 @@ def _(q, k, cos, sin, positions, interleaved, conjugate, use_triton):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
-def _setup_context(ctx, inputs, output) -> None:
+def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
     _, _, cos, sin, positions, interleaved, conjugate, use_triton = inputs
     ctx.save_for_backward(cos, sin, positions)
     ctx.flags = (interleaved, conjugate, use_triton)
@@ -83,7 +96,7 @@ def _unit_stride(g: torch.Tensor) -> torch.Tensor:
     return g if g.stride(-1) == 1 else g.contiguous()
 
 
-def _backward(ctx, grad_q, grad_k):
+def _backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     cos, sin, positions = ctx.saved_tensors
     interleaved, conjugate, use_triton = ctx.flags
     grad_q, grad_k = _unit_stride(grad_q), _unit_stride(grad_k)
@@ -117,10 +130,14 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor) -> None
     check_float_tensor(cos, "cos", ndim=2)
     check_float_tensor(sin, "sin", ndim=2)
     if cos.shape != sin.shape:
-        raise ValueError(f"cos and sin must have the same shape [table_len, r/2], got {tuple(cos.shape)} and {tuple(sin.shape)}")
+        raise ValueError(
+            f"cos and sin must have the same shape [table_len, r/2], got {tuple(cos.shape)} and {tuple(sin.shape)}"
+        )
     wanted = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cos.dtype != wanted or sin.dtype != wanted:
-        raise TypeError(f"cos and sin must be {wanted} for {q.dtype} inputs (the math runs in their dtype), got {cos.dtype}")
+        raise TypeError(
+            f"cos and sin must be {wanted} for {q.dtype} inputs (the math runs in their dtype), got {cos.dtype}"
+        )
     if cos.shape[0] == 0 or cos.shape[1] == 0:
         raise ValueError(f"cos and sin must be non-empty [table_len, r/2] tables, got {tuple(cos.shape)}")
     if 2 * cos.shape[1] > q.shape[-1]:
@@ -149,7 +166,9 @@ def _check_position_arg(positions: torch.Tensor | None, q: torch.Tensor, table_l
         positions = torch.arange(seq, device=q.device)
     elif torch.compiler.is_compiling():  # data-dependent range checks would break the graph; the kernels clamp
         if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.ndim not in (1, 2):
-            raise TypeError(f"positions must be an integer tensor [seq] or [batch, seq], got {positions.dtype} {tuple(positions.shape)}")
+            raise TypeError(
+                f"positions must be an integer tensor [seq] or [batch, seq], got {positions.dtype} {tuple(positions.shape)}"
+            )
         positions = positions.long().to(q.device)
     else:
         positions = check_positions(positions, "positions", batch=batch, seq_len=seq, limit=table_len).to(q.device)

@@ -30,7 +30,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _rotate_head_block(
+def _rotate_head_block(  # type: ignore[no-untyped-def]
     X,
     OUT,
     head0,
@@ -79,7 +79,7 @@ def _rotate_head_block(
 
 
 @triton.jit
-def rotary_qk_kernel(
+def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
     Q_OUT,
@@ -201,10 +201,24 @@ def launch_rotary_qk(
         return
     rest = head_dim - rotary_dim
     rotary_qk_kernel[grid](
-        q, k, q_out, k_out, cos, sin, positions,
-        seq, cos.shape[0], q_heads, k_heads, q_blocks,
-        *q.stride()[:3], *k.stride()[:3], *q_out.stride()[:3], *k_out.stride()[:3],
-        *positions.stride(), cos.stride(0),
+        q,
+        k,
+        q_out,
+        k_out,
+        cos,
+        sin,
+        positions,
+        seq,
+        cos.shape[0],
+        q_heads,
+        k_heads,
+        q_blocks,
+        *q.stride()[:3],
+        *k.stride()[:3],
+        *q_out.stride()[:3],
+        *k_out.stride()[:3],
+        *positions.stride(),
+        cos.stride(0),
         ROTARY_DIM=rotary_dim,
         HEAD_DIM=head_dim,
         BLOCK_H=bh,
