@@ -73,6 +73,9 @@ __all__ = [
 
 # Sections below are filled by later parts of the book; each adds its imports and names.
 # --- fast kernels ---
+from .kernels import choose_kernel, rotary_qk  # noqa: E402
+
+__all__ += ["choose_kernel", "rotary_qk"]
 # --- long context ---
 from .scaling import ROPE_SCALINGS, rope_config, scaled_inverse_frequencies  # noqa: E402
 

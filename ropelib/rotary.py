@@ -285,8 +285,16 @@ class RotaryEmbedding(nn.Module):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        given = positions is not None
         positions = self.check_qk(q, k, positions)
-        compute = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if q.dtype != torch.float64:  # fused kernels (ropelib.kernels) for self.backend; float64 stays on the reference
+            from .kernels import rotary_qk
+
+            self._follow_length(positions)
+            length = int(positions.max()) + 1 if given and positions.numel() else q.shape[1]
+            cos, sin = self.cos_sin_cache(max(length, 1), q.device)
+            return rotary_qk(q, k, cos, sin, positions if given else None, layout=self.layout, kernel=self.backend)
+        compute = torch.float64
         cos, sin = self.cos_sin(positions, compute)
         return apply_rotary(q, cos, sin, layout=self.layout), apply_rotary(k, cos, sin, layout=self.layout)
 
