@@ -3,6 +3,7 @@
 
     python3 tasks.py book   # venv + pinned install, execute every chapter, render _build/html
     python3 tasks.py test   # unit tests, docstring examples and every notebook (nbmake)
+    python3 tasks.py lint   # ruff (lint + format check) and mypy, as CI runs them
 
 Both create ``.venv`` on first use and reuse it afterwards. Extra arguments after ``test``
 go to pytest (``python3 tasks.py test -k rotary``).
@@ -53,12 +54,21 @@ def test(args: list[str]) -> None:
     run(BIN / "python", "-m", "pytest", "tests", "ropelib", "--doctest-modules", "--nbmake", "book", *args)
 
 
+def lint() -> None:
+    ensure_env()
+    run(BIN / "ruff", "check", "ropelib", "tests", "conftest.py", "tasks.py", "scripts")
+    run(BIN / "ruff", "format", "--check", "ropelib", "tests", "conftest.py", "tasks.py", "scripts")
+    run(BIN / "mypy")
+
+
 def main() -> None:
-    if len(sys.argv) < 2 or sys.argv[1] not in ("book", "test"):
+    if len(sys.argv) < 2 or sys.argv[1] not in ("book", "test", "lint"):
         sys.exit(__doc__)
     os.environ["PATH"] = f"{BIN}{os.pathsep}{os.environ['PATH']}"
     if sys.argv[1] == "book":
         book()
+    elif sys.argv[1] == "lint":
+        lint()
     else:
         test(sys.argv[2:])
 

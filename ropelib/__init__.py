@@ -3,8 +3,7 @@
 Tensors follow ``[batch, seq, heads, head_dim]``. See the book for the mathematics.
 """
 
-from . import _device  # first: sets TRITON_INTERPRET when there is no CUDA device
-from ._device import default_device, device_name
+from ._device import default_device, device_name  # first: sets TRITON_INTERPRET when there is no CUDA device
 from .absolute import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
@@ -21,6 +20,8 @@ from .attention import (
 )
 from .complex_rope import apply_rotary_emb, precompute_pos_cis
 from .frequencies import cos_sin_table, rope_frequencies
+from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope
+from .kernels import choose_kernel, rotary_qk
 from .relative import (
     ShawRelativePosition,
     T5RelativeBias,
@@ -37,23 +38,31 @@ from .rotary import (
     layout_permutation,
     rotate_half,
 )
+from .scaling import ROPE_SCALINGS, rope_config, scaled_inverse_frequencies
+from .variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AxialRotaryEmbedding",
+    "HFRotaryEmbedding",
     "LAYOUTS",
-    "POSITION_ENCODINGS",
     "LearnedPositionalEmbedding",
     "LinearAttention",
     "MultiHeadAttention",
+    "POSITION_ENCODINGS",
+    "ROPE_SCALINGS",
     "RotaryEmbedding",
     "ShawRelativePosition",
     "SinusoidalPositionalEncoding",
     "T5RelativeBias",
+    "XPos",
     "alibi_bias",
     "alibi_slopes",
     "apply_rotary",
     "apply_rotary_emb",
+    "axial_positions",
+    "choose_kernel",
     "convert_rotary_layout",
     "cos_sin_table",
     "default_device",
@@ -62,28 +71,18 @@ __all__ = [
     "layout_permutation",
     "linear_attention",
     "linear_attention_weights",
+    "patch_hf_rope",
     "precompute_pos_cis",
     "relative_positions",
+    "rope_config",
     "rope_frequencies",
+    "rotary_qk",
     "rotate_half",
+    "scaled_inverse_frequencies",
     "sinusoidal_encoding",
     "sinusoidal_shift_matrix",
     "t5_relative_bucket",
+    "unpatch_hf_rope",
+    "use_ropelib_rope",
+    "xpos_decay_rates",
 ]
-
-# Sections below are filled by later parts of the book; each adds its imports and names.
-# --- fast kernels ---
-from .kernels import choose_kernel, rotary_qk  # noqa: E402
-
-__all__ += ["choose_kernel", "rotary_qk"]
-# --- long context ---
-from .scaling import ROPE_SCALINGS, rope_config, scaled_inverse_frequencies  # noqa: E402
-
-__all__ += ["ROPE_SCALINGS", "rope_config", "scaled_inverse_frequencies"]
-from .variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates  # noqa: E402
-
-__all__ += ["AxialRotaryEmbedding", "XPos", "axial_positions", "xpos_decay_rates"]
-# --- ecosystem ---
-from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope  # noqa: E402
-
-__all__ += ["HFRotaryEmbedding", "patch_hf_rope", "unpatch_hf_rope", "use_ropelib_rope"]

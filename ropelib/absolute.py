@@ -153,9 +153,7 @@ class LearnedPositionalEmbedding(nn.Module):
             raise ValueError(f"x must have last dimension {self.dim}, got shape {tuple(x.shape)}")
         if positions is None:
             if x.shape[1] > self.num_positions:
-                raise ValueError(
-                    f"x has {x.shape[1]} positions but the learned table has only {self.num_positions}"
-                )
+                raise ValueError(f"x has {x.shape[1]} positions but the learned table has only {self.num_positions}")
             positions = torch.arange(x.shape[1], device=x.device)
         positions = check_positions(
             positions, "positions", batch=x.shape[0], seq_len=x.shape[1], limit=self.num_positions

@@ -81,7 +81,9 @@ class MultiHeadAttention(nn.Module):
         self.num_heads = check_int(num_heads, "num_heads", minimum=1)
         if self.embed_dim % self.num_heads:
             raise ValueError(f"num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
-        self.num_kv_heads = self.num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        self.num_kv_heads = (
+            self.num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", minimum=1)
+        )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_kv_heads={self.num_kv_heads} must divide num_heads={self.num_heads}")
         if not isinstance(causal, bool):
@@ -228,9 +230,7 @@ def _causal_linear_sums(
         q_c, k_c, fq_c, fk_c, v_c = rq[:, chunk], rk[:, chunk], fq[:, chunk], fk[:, chunk], v[:, chunk]
         future = _causal_mask(q_c.shape[1], q_c.device)
         inner = torch.einsum("bihd,bjhd->bhij", q_c, k_c).masked_fill(future, 0.0)
-        numerators.append(
-            torch.einsum("bhij,bjhe->bihe", inner, v_c) + torch.einsum("bihd,bhde->bihe", q_c, state)
-        )
+        numerators.append(torch.einsum("bhij,bjhe->bihe", inner, v_c) + torch.einsum("bihd,bhde->bihe", q_c, state))
         plain = torch.einsum("bihd,bjhd->bhij", fq_c, fk_c).masked_fill(future, 0.0)
         denominators.append(plain.sum(-1).transpose(1, 2) + torch.einsum("bihd,bhd->bih", fq_c, key_sum))
         state = state + torch.einsum("bjhd,bjhe->bhde", k_c, v_c)
@@ -278,7 +278,9 @@ def linear_attention(
     k = check_float_tensor(k, "k", ndim=4)
     v = check_float_tensor(v, "v", ndim=4)
     if q.shape != k.shape or v.shape[:3] != q.shape[:3]:
-        raise ValueError(f"q, k must have equal shapes and v the same [batch, seq, heads]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
+        raise ValueError(
+            f"q, k must have equal shapes and v the same [batch, seq, heads]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+        )
     _check_linear_qk(q, k, rope, positions)
     fq, fk = elu_feature_map(q), elu_feature_map(k)
     rq, rk = rope(fq, fk, positions) if rope is not None else (fq, fk)

@@ -38,7 +38,9 @@ def precompute_pos_cis(dim: int, end: int = 32 * 1024, theta: float = 1e6) -> to
 
 def _check_pos_cis(pos_cis: object, x: torch.Tensor) -> torch.Tensor:
     if not isinstance(pos_cis, torch.Tensor) or not pos_cis.is_complex():
-        raise TypeError(f"pos_cis must be a complex tensor from precompute_pos_cis, got {getattr(pos_cis, 'dtype', type(pos_cis).__name__)}")
+        raise TypeError(
+            f"pos_cis must be a complex tensor from precompute_pos_cis, got {getattr(pos_cis, 'dtype', type(pos_cis).__name__)}"
+        )
     expected = (x.shape[1], x.shape[-1] // 2)
     if tuple(pos_cis.shape) != expected:
         raise ValueError(
@@ -48,9 +50,7 @@ def _check_pos_cis(pos_cis: object, x: torch.Tensor) -> torch.Tensor:
     return pos_cis
 
 
-def apply_rotary_emb(
-    xq: torch.Tensor, xk: torch.Tensor, pos_cis: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
+def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, pos_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Rotate ``xq`` and ``xk`` by complex multiplication with ``pos_cis`` (the seed's function).
 
     Args:

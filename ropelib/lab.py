@@ -71,8 +71,15 @@ class LabConfig:
 
 SMALL = LabConfig()
 LARGE = LabConfig(
-    train_length=64, vocab_size=512, embed_dim=256, num_heads=8, num_layers=4,
-    steps=4000, batch_size=128, learning_rate=1e-3, eval_sequences=1024,
+    train_length=64,
+    vocab_size=512,
+    embed_dim=256,
+    num_heads=8,
+    num_layers=4,
+    steps=4000,
+    batch_size=128,
+    learning_rate=1e-3,
+    eval_sequences=1024,
 )
 
 
@@ -123,7 +130,9 @@ class Block(nn.Module):
         self.attn = MultiHeadAttention(config.embed_dim, config.num_heads, position, causal=True, **options)
         self.norm2 = nn.LayerNorm(config.embed_dim)
         self.mlp = nn.Sequential(
-            nn.Linear(config.embed_dim, 4 * config.embed_dim), nn.GELU(), nn.Linear(4 * config.embed_dim, config.embed_dim)
+            nn.Linear(config.embed_dim, 4 * config.embed_dim),
+            nn.GELU(),
+            nn.Linear(4 * config.embed_dim, config.embed_dim),
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -178,8 +187,12 @@ def with_rope_scaling(model: TinyTransformer, scaling: dict[str, Any]) -> TinyTr
         attention = cast(Block, block).attn
         old = cast(RotaryEmbedding, attention.encoding)
         attention.encoding = RotaryEmbedding(
-            old.head_dim, old.theta, old.layout, scaling=scaling,
-            max_position_embeddings=model.config.train_length, backend=old.backend,
+            old.head_dim,
+            old.theta,
+            old.layout,
+            scaling=scaling,
+            max_position_embeddings=model.config.train_length,
+            backend=old.backend,
         )
     return scaled
 
@@ -192,7 +205,13 @@ def scaling_for_length(name: str, multiple: int, train_length: int) -> dict[str,
         return {"rope_type": name, "factor": factor}
     if name == "yarn":
         return {"rope_type": "yarn", "factor": factor, "original_max_position_embeddings": train_length}
-    return {"rope_type": "llama3", "factor": factor, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": train_length}
+    return {
+        "rope_type": "llama3",
+        "factor": factor,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": train_length,
+    }
 
 
 # ----------------------------------------------------------------------------- training and evaluation
@@ -226,7 +245,9 @@ def _one_thread_on_cpu(device: torch.device) -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
-def _train(config: LabConfig, encoding: str, device: torch.device, progress: bool) -> tuple[TinyTransformer, list[float]]:
+def _train(
+    config: LabConfig, encoding: str, device: torch.device, progress: bool
+) -> tuple[TinyTransformer, list[float]]:
     from tqdm.auto import tqdm
 
     torch.manual_seed(config.seed)
@@ -265,7 +286,12 @@ def _train(config: LabConfig, encoding: str, device: torch.device, progress: boo
 
 @torch.no_grad()
 def accuracy(
-    model: TinyTransformer, length: int, config: LabConfig, *, device: torch.device | str | None = None, seed: int = EVAL_SEED
+    model: TinyTransformer,
+    length: int,
+    config: LabConfig,
+    *,
+    device: torch.device | str | None = None,
+    seed: int = EVAL_SEED,
 ) -> float | None:
     """Next-token accuracy over the second copy of ``config.eval_sequences`` fresh sequences of ``length`` tokens.
 
@@ -321,7 +347,12 @@ def run(
         if encoding == "rope":
             for name in scalings:
                 results["accuracy"][f"rope+{name}"] = {
-                    str(m): accuracy(with_rope_scaling(model, scaling_for_length(name, m, config.train_length)), n, config, device=device)
+                    str(m): accuracy(
+                        with_rope_scaling(model, scaling_for_length(name, m, config.train_length)),
+                        n,
+                        config,
+                        device=device,
+                    )
                     for m, n in lengths.items()
                 }
     results["chance"] = 1.0 / config.vocab_size

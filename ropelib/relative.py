@@ -45,7 +45,11 @@ def _check_relative(relative_position: object, ndim_at_least: int = 0) -> torch.
     """An integer tensor of relative positions ``j - i`` (int64), of rank >= ``ndim_at_least``."""
     if not isinstance(relative_position, torch.Tensor):
         raise TypeError(f"relative_position must be an integer torch.Tensor, got {type(relative_position).__name__}")
-    if relative_position.dtype.is_floating_point or relative_position.dtype.is_complex or relative_position.dtype == torch.bool:
+    if (
+        relative_position.dtype.is_floating_point
+        or relative_position.dtype.is_complex
+        or relative_position.dtype == torch.bool
+    ):
         raise TypeError(f"relative_position must be an integer tensor, got {relative_position.dtype}")
     if relative_position.ndim < ndim_at_least:
         raise ValueError(
@@ -128,7 +132,9 @@ class T5RelativeBias(nn.Module):
         (see :func:`relative_positions`) and returns ``[..., num_heads, query_len, key_len]``.
     """
 
-    def __init__(self, num_heads: int, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128) -> None:
+    def __init__(
+        self, num_heads: int, bidirectional: bool = True, num_buckets: int = 32, max_distance: int = 128
+    ) -> None:
         super().__init__()
         self.num_heads = check_int(num_heads, "num_heads", minimum=1)
         self.bidirectional = bidirectional
@@ -140,7 +146,9 @@ class T5RelativeBias(nn.Module):
 
     def forward(self, relative_position: torch.Tensor) -> torch.Tensor:
         relative_position = _check_relative(relative_position, ndim_at_least=2)
-        buckets = t5_relative_bucket(relative_position.to(self.weight.device), self.bidirectional, self.num_buckets, self.max_distance)
+        buckets = t5_relative_bucket(
+            relative_position.to(self.weight.device), self.bidirectional, self.num_buckets, self.max_distance
+        )
         return self.weight[buckets].movedim(-1, -3)
 
     def extra_repr(self) -> str:
@@ -272,7 +280,9 @@ class ShawRelativePosition(nn.Module):
         if self.value_table is None:
             raise ValueError("this ShawRelativePosition was built with values=False")
         weights = check_float_tensor(weights, "weights", ndim=4)
-        table = self.value_table[self._batched_index(relative_position, weights.shape[0], weights.shape[2])].to(weights.dtype)
+        table = self.value_table[self._batched_index(relative_position, weights.shape[0], weights.shape[2])].to(
+            weights.dtype
+        )
         return torch.einsum("bhij,bijd->bhid", weights, table)
 
     def _batched_index(self, relative_position: torch.Tensor, batch: int, query_len: int) -> torch.Tensor:

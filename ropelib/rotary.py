@@ -60,9 +60,7 @@ def _check_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
         raise ValueError(f"cos has {cos.shape[-1]} pairs but x has only {x.shape[-1]} features (head_dim)")
 
 
-def apply_rotary(
-    x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str = "half"
-) -> torch.Tensor:
+def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str = "half") -> torch.Tensor:
     r"""Rotate the first ``r = 2 * cos.shape[-1]`` features of ``x`` (the reference implementation).
 
     The math runs in float32 (float64 for float64 input); the result has ``x``'s dtype.
@@ -242,10 +240,16 @@ class RotaryEmbedding(nn.Module):
         from .scaling import frequency_seq_len
 
         needed = int(positions.max()) + 1
-        seq_len = frequency_seq_len(self.scaling, needed, self._freq_seq_len, max_position_embeddings=self.max_position_embeddings)
+        seq_len = frequency_seq_len(
+            self.scaling, needed, self._freq_seq_len, max_position_embeddings=self.max_position_embeddings
+        )
         if seq_len != self._freq_seq_len:
             self._inv_freq64, self.attention_scaling = inverse_frequencies64(
-                self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings, seq_len=seq_len
+                self.rotary_dim,
+                self.theta,
+                self.scaling,
+                max_position_embeddings=self.max_position_embeddings,
+                seq_len=seq_len,
             )
             self._freq_seq_len = seq_len
             self._cos, self._sin = self._cos[:0], self._sin[:0]

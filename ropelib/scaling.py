@@ -85,7 +85,9 @@ def _original_length(params: Mapping[str, Any], max_position_embeddings: int | N
     Hugging Face fills the missing key from the model's ``max_position_embeddings`` the same way.
     """
     if params.get("original_max_position_embeddings") is not None:
-        return check_int(params["original_max_position_embeddings"], "scaling['original_max_position_embeddings']", minimum=1)
+        return check_int(
+            params["original_max_position_embeddings"], "scaling['original_max_position_embeddings']", minimum=1
+        )
     if max_position_embeddings is None:
         raise ValueError(
             f"rope_type={rope_type!r} needs the original context length: give "
@@ -178,7 +180,9 @@ def dynamic_ntk_scaling(
     if max_position_embeddings is None:
         raise ValueError("rope_type='dynamic' needs max_position_embeddings (the length it was trained at)")
     if rotary_dim < 4:
-        raise ValueError(f"rope_type='dynamic' needs a rotary dimension >= 4 (the exponent is d/(d-2)), got {rotary_dim}")
+        raise ValueError(
+            f"rope_type='dynamic' needs a rotary dimension >= 4 (the exponent is d/(d-2)), got {rotary_dim}"
+        )
     length = max_position_embeddings if seq_len is None else max(seq_len, max_position_embeddings)
     base = theta * ((factor * length / max_position_embeddings) - (factor - 1)) ** (rotary_dim / (rotary_dim - 2))
     return default_inverse_frequencies(rotary_dim, base), 1.0
@@ -187,7 +191,15 @@ def dynamic_ntk_scaling(
 @_register(
     "yarn",
     required={"factor"},
-    optional={"original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "truncate"},
+    optional={
+        "original_max_position_embeddings",
+        "beta_fast",
+        "beta_slow",
+        "mscale",
+        "mscale_all_dim",
+        "attention_factor",
+        "truncate",
+    },
 )
 def yarn_scaling(
     rotary_dim: int,
@@ -227,7 +239,9 @@ def yarn_scaling(
         attention_factor = _number(params, "attention_factor", minimum=0.0, strict=True)
     else:
         mscale = _number(params, "mscale", minimum=0.0) if params.get("mscale") is not None else None
-        mscale_all_dim = _number(params, "mscale_all_dim", minimum=0.0) if params.get("mscale_all_dim") is not None else None
+        mscale_all_dim = (
+            _number(params, "mscale_all_dim", minimum=0.0) if params.get("mscale_all_dim") is not None else None
+        )
         if mscale and mscale_all_dim:
             attention_factor = yarn_get_mscale(factor, mscale) / yarn_get_mscale(factor, mscale_all_dim)
         else:
@@ -291,7 +305,9 @@ def _factor_list(params: Mapping[str, Any], key: str, length: int) -> torch.Tens
     return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
 
-@_register("llama3", required={"factor", "low_freq_factor", "high_freq_factor"}, optional={"original_max_position_embeddings"})
+@_register(
+    "llama3", required={"factor", "low_freq_factor", "high_freq_factor"}, optional={"original_max_position_embeddings"}
+)
 def llama3_scaling(
     rotary_dim: int,
     theta: float,
@@ -326,7 +342,9 @@ def llama3_scaling(
     wavelength = 2 * math.pi / inv_freq
     smooth = ((original / wavelength - low) / (high - low)).clamp(0.0, 1.0)
     blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-    return torch.where(wavelength < original / high, inv_freq, torch.where(wavelength > original / low, inv_freq / factor, blended)), 1.0
+    return torch.where(
+        wavelength < original / high, inv_freq, torch.where(wavelength > original / low, inv_freq / factor, blended)
+    ), 1.0
 
 
 # ----------------------------------------------------------------------------- entry points
@@ -340,7 +358,9 @@ def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
         raise TypeError(f"scaling must be a dict (a rope_scaling config) or None, got {type(scaling).__name__}")
     names = {scaling[key] for key in ("rope_type", "type") if key in scaling}
     if len(names) > 1:
-        raise ValueError(f"scaling has rope_type={scaling['rope_type']!r} and type={scaling['type']!r}; they must agree")
+        raise ValueError(
+            f"scaling has rope_type={scaling['rope_type']!r} and type={scaling['type']!r}; they must agree"
+        )
     if not names:
         raise ValueError(f"scaling needs a 'rope_type' (one of {sorted(ROPE_SCALINGS)}), got keys {sorted(scaling)}")
     return check_choice(names.pop(), "scaling['rope_type']", sorted(ROPE_SCALINGS))
@@ -370,7 +390,9 @@ def validate_scaling(scaling: Mapping[str, Any], theta: float | None = None) -> 
         raise ValueError(f"rope_type={rope_type!r} needs keys {sorted(missing)} in scaling, got {sorted(keys)}")
     if theta is not None and scaling.get("rope_theta") is not None:
         if check_positive_float(scaling["rope_theta"], "scaling['rope_theta']") != theta:
-            raise ValueError(f"scaling['rope_theta']={scaling['rope_theta']} disagrees with theta={theta}; pass theta={scaling['rope_theta']}")
+            raise ValueError(
+                f"scaling['rope_theta']={scaling['rope_theta']} disagrees with theta={theta}; pass theta={scaling['rope_theta']}"
+            )
     return rope_type
 
 
@@ -497,11 +519,15 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
     else:
         for key in ("hidden_size", "num_attention_heads"):
             if config.get(key) is None:
-                raise ValueError(f"config needs 'head_dim' or both 'hidden_size' and 'num_attention_heads'; {key!r} is missing")
+                raise ValueError(
+                    f"config needs 'head_dim' or both 'hidden_size' and 'num_attention_heads'; {key!r} is missing"
+                )
         hidden = check_int(config["hidden_size"], "config['hidden_size']", minimum=1)
         heads = check_int(config["num_attention_heads"], "config['num_attention_heads']", minimum=1)
         if hidden % heads:
-            raise ValueError(f"config['hidden_size']={hidden} is not divisible by config['num_attention_heads']={heads}")
+            raise ValueError(
+                f"config['hidden_size']={hidden} is not divisible by config['num_attention_heads']={heads}"
+            )
         head_dim = hidden // heads
     theta = _config_value(config, params, "rope_theta")
     theta = 10000.0 if theta is None else check_positive_float(theta, "config['rope_theta']")
@@ -520,7 +546,9 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
         del scaling["type"]
     rope_type = rope_type_of(scaling) if scaling else "default"
     if config.get("original_max_position_embeddings") is not None and rope_type in ("yarn", "longrope", "llama3"):
-        top = check_int(config["original_max_position_embeddings"], "config['original_max_position_embeddings']", minimum=1)
+        top = check_int(
+            config["original_max_position_embeddings"], "config['original_max_position_embeddings']", minimum=1
+        )
         if scaling.get("original_max_position_embeddings", top) != top:
             raise ValueError(
                 f"config['original_max_position_embeddings']={top} disagrees with the scaling's "

@@ -72,7 +72,13 @@ class XPos(nn.Module):
     """
 
     def __init__(
-        self, head_dim: int, theta: float = 10000.0, *, gamma: float = 0.4, scale_base: float = 512.0, layout: str = "half"
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        *,
+        gamma: float = 0.4,
+        scale_base: float = 512.0,
+        layout: str = "half",
     ) -> None:
         super().__init__()
         self.rope = RotaryEmbedding(head_dim, theta, layout)
@@ -102,7 +108,9 @@ class XPos(nn.Module):
         return q_out.to(q.dtype), k_out.to(k.dtype)
 
     def extra_repr(self) -> str:
-        return f"head_dim={self.rope.head_dim}, theta={self.rope.theta}, gamma={self.gamma}, scale_base={self.scale_base}"
+        return (
+            f"head_dim={self.rope.head_dim}, theta={self.rope.theta}, gamma={self.gamma}, scale_base={self.scale_base}"
+        )
 
 
 # ----------------------------------------------------------------------------- 2-D axial RoPE
@@ -173,7 +181,9 @@ class AxialRotaryEmbedding(nn.Module):
             )
         if not isinstance(positions, torch.Tensor) or positions.ndim not in (2, 3) or positions.shape[-1] != 2:
             shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
-            raise ValueError(f"positions must be an integer tensor [seq, 2] or [batch, seq, 2] of (row, column), got {shape}")
+            raise ValueError(
+                f"positions must be an integer tensor [seq, 2] or [batch, seq, 2] of (row, column), got {shape}"
+            )
         for axis in (0, 1):
             check_positions(positions[..., axis], "positions", batch=q.shape[0], seq_len=q.shape[1])
         positions = positions.long().to(q.device)

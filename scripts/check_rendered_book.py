@@ -53,7 +53,19 @@ CHROMIUM_FLAGS = [
 CHROMIUM_TIMEOUT_S = 90
 RAW_TEX = ("$$", "\\(", "\\[", "\\begin{")
 # Text inside these elements is code, machinery or already-typeset math, not prose.
-SKIP_TEXT_IN = {"script", "style", "pre", "code", "textarea", "noscript", "template", "head", "title", "mjx-container", "svg"}
+SKIP_TEXT_IN = {
+    "script",
+    "style",
+    "pre",
+    "code",
+    "textarea",
+    "noscript",
+    "template",
+    "head",
+    "title",
+    "mjx-container",
+    "svg",
+}
 VOID = {"area", "base", "br", "col", "embed", "hr", "img", "input", "link", "meta", "source", "track", "wbr"}
 EXTERNAL_SCHEMES = {"http", "https", "mailto", "javascript", "data", "tel", "ftp"}
 IMAGE_MAGIC = (b"\x89PNG\r\n\x1a\n", b"\xff\xd8\xff", b"GIF87a", b"GIF89a", b"RIFF")
@@ -191,8 +203,10 @@ def find_chromium() -> str:
         if found:
             return found
     if hasattr(os, "geteuid") and os.geteuid() != 0:
-        sys.exit("check_rendered_book: chromium is not installed and installing it needs root: "
-                 "run `apt-get install -y chromium` as root, then rerun")
+        sys.exit(
+            "check_rendered_book: chromium is not installed and installing it needs root: "
+            "run `apt-get install -y chromium` as root, then rerun"
+        )
     print("check_rendered_book: chromium not found; installing it with apt-get", flush=True)
     env = dict(os.environ, DEBIAN_FRONTEND="noninteractive")
     install = ["apt-get", "install", "-y", "chromium"]
@@ -209,8 +223,14 @@ def find_chromium() -> str:
 def render(chromium: str, html_file: Path, screenshot: Path) -> tuple[str | None, str]:
     """Load the page, let MathJax run, save a screenshot; return (DOM or None, error text)."""
     profile = tempfile.mkdtemp(prefix="chromium-profile-")
-    cmd = [chromium, *CHROMIUM_FLAGS, f"--user-data-dir={profile}", f"--screenshot={screenshot}",
-           "--dump-dom", html_file.resolve().as_uri()]
+    cmd = [
+        chromium,
+        *CHROMIUM_FLAGS,
+        f"--user-data-dir={profile}",
+        f"--screenshot={screenshot}",
+        "--dump-dom",
+        html_file.resolve().as_uri(),
+    ]
     try:
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=CHROMIUM_TIMEOUT_S)
     except subprocess.TimeoutExpired:
@@ -273,9 +293,13 @@ class Checker:
     def dom_problems(self, page_file: Path, static: PageScan, dom: PageScan) -> list[str]:
         problems = []
         if static.math_nodes and dom.mjx_containers == 0:
-            problems.append(f"math not typeset: {static.math_nodes} math elements but no MathJax output (mjx-container)")
+            problems.append(
+                f"math not typeset: {static.math_nodes} math elements but no MathJax output (mjx-container)"
+            )
         elif dom.mjx_containers < static.math_nodes:
-            problems.append(f"math partly typeset: {static.math_nodes} math elements, {dom.mjx_containers} mjx-container")
+            problems.append(
+                f"math partly typeset: {static.math_nodes} math elements, {dom.mjx_containers} mjx-container"
+            )
         for message in dom.mjx_errors:
             problems.append(f"MathJax error: {message}")
         text = " ".join(" ".join(dom.text).split())
@@ -299,7 +323,9 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("pages", nargs="*", help="toc entries to check (default: every page in _toc.yml)")
     parser.add_argument("--root", type=Path, default=Path(__file__).resolve().parent.parent, help="the book's root")
-    parser.add_argument("--build-dir", type=Path, default=None, help="jupyter-book's build folder (default ROOT/_build)")
+    parser.add_argument(
+        "--build-dir", type=Path, default=None, help="jupyter-book's build folder (default ROOT/_build)"
+    )
     args = parser.parse_args()
 
     root = args.root.resolve()
@@ -334,8 +360,11 @@ def main() -> int:
             problems.append(f"no screenshot written to {screenshot}")
         failures += [(page, p) for p in problems]
         status = "ok  " if not problems else "FAIL"
-        print(f"{status} {page}: {static.math_nodes} math, {len(static.images)} images, "
-              f"{len(static.links)} links, {time.monotonic() - t0:.1f} s", flush=True)
+        print(
+            f"{status} {page}: {static.math_nodes} math, {len(static.images)} images, "
+            f"{len(static.links)} links, {time.monotonic() - t0:.1f} s",
+            flush=True,
+        )
 
     elapsed = time.monotonic() - start
     if failures:

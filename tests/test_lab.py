@@ -10,9 +10,29 @@ import pytest
 import torch
 
 from ropelib import lab
-from ropelib.lab import ENCODINGS, LabConfig, TinyTransformer, accuracy, repeat_batch, run, scaling_for_length, train, with_rope_scaling
+from ropelib.lab import (
+    ENCODINGS,
+    LabConfig,
+    TinyTransformer,
+    accuracy,
+    repeat_batch,
+    run,
+    scaling_for_length,
+    train,
+    with_rope_scaling,
+)
 
-TINY = LabConfig(train_length=8, multiples=(1, 2), vocab_size=16, embed_dim=16, num_heads=2, num_layers=1, steps=3, batch_size=4, eval_sequences=8)
+TINY = LabConfig(
+    train_length=8,
+    multiples=(1, 2),
+    vocab_size=16,
+    embed_dim=16,
+    num_heads=2,
+    num_layers=1,
+    steps=3,
+    batch_size=4,
+    eval_sequences=8,
+)
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -75,7 +95,11 @@ def test_rope_scaling_swap_is_identity_at_factor_one_and_changes_longer_inputs()
 
 
 def test_scaling_for_length_uses_the_multiple_and_training_length():
-    assert scaling_for_length("yarn", 4, 32) == {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32}
+    assert scaling_for_length("yarn", 4, 32) == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32,
+    }
     assert scaling_for_length("dynamic", 2, 32) == {"rope_type": "dynamic", "factor": 2.0}
     with pytest.raises(ValueError, match="name"):
         scaling_for_length("longrope", 2, 32)
@@ -107,7 +131,9 @@ def test_cli_writes_json_with_provenance(tmp_path, monkeypatch):
 def test_committed_cpu_results_are_complete():
     saved = json.loads((ROOT / "results" / "lab_cpu.json").read_text())
     assert saved["provenance"]["command"].startswith("python -m ropelib.lab")
-    assert saved["config"] == json.loads(json.dumps(dataclasses.asdict(lab.SMALL)))  # results of the configuration in the code
+    assert saved["config"] == json.loads(
+        json.dumps(dataclasses.asdict(lab.SMALL))
+    )  # results of the configuration in the code
     names = set(ENCODINGS) | {f"rope+{s}" for s in lab.TEST_TIME_SCALINGS}
     assert set(saved["accuracy"]) == names
     for name, row in saved["accuracy"].items():

@@ -43,7 +43,9 @@ def ref_yarn_mscale(s, m=1.0):
     return 1.0 if s <= 1 else 0.1 * m * math.log(s) + 1.0
 
 
-def ref_yarn(d, b, s, L, beta_fast=32.0, beta_slow=1.0, truncate=True, mscale=None, mscale_all_dim=None, attention_factor=None):
+def ref_yarn(
+    d, b, s, L, beta_fast=32.0, beta_slow=1.0, truncate=True, mscale=None, mscale_all_dim=None, attention_factor=None
+):
     # The pair index that turns r times in L tokens: L / (2 pi b^(2i/d)) = r  =>  i = d ln(L / 2 pi r) / (2 ln b).
     low = d * math.log(L / (2 * math.pi * beta_fast)) / (2 * math.log(b))
     high = d * math.log(L / (2 * math.pi * beta_slow)) / (2 * math.log(b))
@@ -99,7 +101,9 @@ def test_linear_and_dynamic_match_formulas(d, b, s):
     assert_close_list(inv, ref_linear(d, b, s))
     assert scale == 1.0
     for seq_len in (None, 100, 4096, 5000, 40000):
-        inv, scale = scaled_inverse_frequencies(d, b, {"type": "dynamic", "factor": s}, max_position_embeddings=4096, seq_len=seq_len)
+        inv, scale = scaled_inverse_frequencies(
+            d, b, {"type": "dynamic", "factor": s}, max_position_embeddings=4096, seq_len=seq_len
+        )
         assert_close_list(inv, ref_dynamic(d, b, s, seq_len, 4096))
         assert scale == 1.0
 
@@ -141,13 +145,29 @@ def test_yarn_low_equals_high_is_a_step():
 
 def test_yarn_original_length_defaults_to_max_position_embeddings():
     a, sa = scaled_inverse_frequencies(64, 1e4, {"rope_type": "yarn", "factor": 4.0}, max_position_embeddings=2048)
-    b, sb = scaled_inverse_frequencies(64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048})
+    b, sb = scaled_inverse_frequencies(
+        64, 1e4, {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048}
+    )
     assert torch.equal(a, b) and sa == sb == pytest.approx(0.1 * math.log(4) + 1, rel=REL)
 
 
-@pytest.mark.parametrize("d,b,s,low,high,L", [(128, 500000.0, 8.0, 1.0, 4.0, 8192), (64, 10000.0, 32.0, 1.0, 4.0, 8192), (64, 10000.0, 4.0, 2.0, 8.0, 1024), (64, 1e4, 1.0, 1.0, 4.0, 8192)])
+@pytest.mark.parametrize(
+    "d,b,s,low,high,L",
+    [
+        (128, 500000.0, 8.0, 1.0, 4.0, 8192),
+        (64, 10000.0, 32.0, 1.0, 4.0, 8192),
+        (64, 10000.0, 4.0, 2.0, 8.0, 1024),
+        (64, 1e4, 1.0, 1.0, 4.0, 8192),
+    ],
+)
 def test_llama3_matches_formula(d, b, s, low, high, L):
-    scaling = {"rope_type": "llama3", "factor": s, "low_freq_factor": low, "high_freq_factor": high, "original_max_position_embeddings": L}
+    scaling = {
+        "rope_type": "llama3",
+        "factor": s,
+        "low_freq_factor": low,
+        "high_freq_factor": high,
+        "original_max_position_embeddings": L,
+    }
     inv, scale = scaled_inverse_frequencies(d, b, scaling)
     assert_close_list(inv, ref_llama3(d, b, s, low, high, L))
     assert scale == 1.0
@@ -156,7 +176,15 @@ def test_llama3_matches_formula(d, b, s, low, high, L):
 def test_llama31_regions():
     # Llama 3.1 (theta 500000, d 128, s 8, L 8192): the three regions of the release, by wavelength.
     inv, _ = scaled_inverse_frequencies(
-        128, 500000.0, {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        128,
+        500000.0,
+        {
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
     )
     plain = torch.tensor(ref_default(128, 500000.0), dtype=torch.float64)
     wavelength = 2 * math.pi / plain
@@ -175,7 +203,12 @@ LONG = [1.0 + 1.5 * i for i in range(32)]
 @pytest.mark.parametrize("factor", [None, 16.0, 1.0])
 def test_longrope_short_vs_long(seq_len, factor):
     d, b, L, max_pos = 64, 10000.0, 4096, 131072
-    scaling = {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": L}
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": SHORT,
+        "long_factor": LONG,
+        "original_max_position_embeddings": L,
+    }
     if factor is not None:
         scaling["factor"] = factor
     inv, scale = scaled_inverse_frequencies(d, b, scaling, max_position_embeddings=max_pos, seq_len=seq_len)
@@ -189,7 +222,9 @@ def test_longrope_attention_factor_given_and_phi3_style_default():
     _, scale = scaled_inverse_frequencies(64, 1e4, scaling, max_position_embeddings=4096)
     assert scale == 1.25
     # Without original_max_position_embeddings, L = max_position_embeddings and s = 1: no temperature.
-    _, scale = scaled_inverse_frequencies(64, 1e4, {k: v for k, v in scaling.items() if k != "attention_factor"}, max_position_embeddings=4096)
+    _, scale = scaled_inverse_frequencies(
+        64, 1e4, {k: v for k, v in scaling.items() if k != "attention_factor"}, max_position_embeddings=4096
+    )
     assert scale == 1.0
 
 
@@ -219,12 +254,20 @@ def test_interpolating_scalings_stay_between_inv_over_s_and_inv(half, log_base, 
     for scaling in (
         {"rope_type": "linear", "factor": s},
         {"rope_type": "yarn", "factor": s, "original_max_position_embeddings": L},
-        {"rope_type": "llama3", "factor": s, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": L},
+        {
+            "rope_type": "llama3",
+            "factor": s,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": L,
+        },
     ):
         inv, _ = scaled_inverse_frequencies(d, b, scaling)
         assert bool((inv <= plain * (1 + slack)).all() and (inv >= plain / s * (1 - slack)).all()), scaling
     # NTK-aware (dynamic at length s L with factor 1) keeps the highest frequency and divides the lowest by s.
-    inv, _ = scaled_inverse_frequencies(d, b, {"rope_type": "dynamic", "factor": 1.0}, max_position_embeddings=L, seq_len=round(s * L))
+    inv, _ = scaled_inverse_frequencies(
+        d, b, {"rope_type": "dynamic", "factor": 1.0}, max_position_embeddings=L, seq_len=round(s * L)
+    )
     alpha = round(s * L) / L
     assert inv[0].item() == pytest.approx(1.0, rel=REL)
     assert inv[-1].item() == pytest.approx(plain[-1].item() / alpha, rel=1e-9)
@@ -263,16 +306,83 @@ def test_registry_documents_every_type():
         ({"rope_type": "dynamic", "factor": 2.0}, {}, ValueError, "max_position_embeddings"),
         ({"rope_type": "yarn", "factor": 2.0}, {}, ValueError, "original"),
         ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 2048.5}, {}, TypeError, "int"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 1, "beta_slow": 2}, {}, ValueError, "beta_fast"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "beta_slow": 0}, {}, ValueError, "beta_slow"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "truncate": "no"}, {}, TypeError, "truncate"),
-        ({"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 0.0}, {}, ValueError, "attention_factor"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 4.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, {}, ValueError, "high_freq_factor"),
-        ({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192}, {}, ValueError, "high_freq_factor"),
-        ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG[:-1]}, {"max_position_embeddings": 8}, ValueError, "32 entries"),
-        ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": [-1.0] * 32}, {"max_position_embeddings": 8, "seq_len": 9}, ValueError, "> 0"),
-        ({"rope_type": "longrope", "short_factor": "1,2", "long_factor": LONG}, {"max_position_embeddings": 8}, TypeError, "list"),
-        ({"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG, "original_max_position_embeddings": 8}, {}, ValueError, "factor"),
+        (
+            {
+                "rope_type": "yarn",
+                "factor": 2.0,
+                "original_max_position_embeddings": 64,
+                "beta_fast": 1,
+                "beta_slow": 2,
+            },
+            {},
+            ValueError,
+            "beta_fast",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "beta_slow": 0},
+            {},
+            ValueError,
+            "beta_slow",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "truncate": "no"},
+            {},
+            TypeError,
+            "truncate",
+        ),
+        (
+            {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "attention_factor": 0.0},
+            {},
+            ValueError,
+            "attention_factor",
+        ),
+        (
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 4.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            },
+            {},
+            ValueError,
+            "high_freq_factor",
+        ),
+        (
+            {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "original_max_position_embeddings": 8192},
+            {},
+            ValueError,
+            "high_freq_factor",
+        ),
+        (
+            {"rope_type": "longrope", "short_factor": SHORT, "long_factor": LONG[:-1]},
+            {"max_position_embeddings": 8},
+            ValueError,
+            "32 entries",
+        ),
+        (
+            {"rope_type": "longrope", "short_factor": SHORT, "long_factor": [-1.0] * 32},
+            {"max_position_embeddings": 8, "seq_len": 9},
+            ValueError,
+            "> 0",
+        ),
+        (
+            {"rope_type": "longrope", "short_factor": "1,2", "long_factor": LONG},
+            {"max_position_embeddings": 8},
+            TypeError,
+            "list",
+        ),
+        (
+            {
+                "rope_type": "longrope",
+                "short_factor": SHORT,
+                "long_factor": LONG,
+                "original_max_position_embeddings": 8,
+            },
+            {},
+            ValueError,
+            "factor",
+        ),
         ({"rope_type": "linear", "factor": 2.0, "rope_theta": 500000.0}, {}, ValueError, "theta"),
         ({"rope_type": "linear", "factor": 2.0, "partial_rotary_factor": 0.5}, {}, ValueError, "partial_rotary_factor"),
         ([("rope_type", "linear")], {}, TypeError, "dict"),
@@ -324,14 +434,32 @@ def test_dynamic_rotary_embedding_follows_the_length_like_hugging_face():
 def test_longrope_rotary_embedding_switches_factors():
     d, L = 8, 32
     short, long = [1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 4.0, 8.0]
-    rope = RotaryEmbedding(d, scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long, "original_max_position_embeddings": L}, max_position_embeddings=4 * L)
+    rope = RotaryEmbedding(
+        d,
+        scaling={
+            "rope_type": "longrope",
+            "short_factor": short,
+            "long_factor": long,
+            "original_max_position_embeddings": L,
+        },
+        max_position_embeddings=4 * L,
+    )
     x = torch.randn(1, 1, 1, d, dtype=torch.float64)
     for last in (5, 31, 32, 100, 3):
         got, _ = rope(x, x, torch.tensor([last]))
         expected_inv, scale = ref_longrope(d, 10000.0, short, long, L, last + 1, 4.0)
         assert torch.allclose(got, rotate_reference(x, expected_inv, [last], scale), rtol=0, atol=1e-12), last
     # the float32 cache is rebuilt when the factors switch
-    rope32 = RotaryEmbedding(d, scaling={"rope_type": "longrope", "short_factor": short, "long_factor": long, "original_max_position_embeddings": L}, max_position_embeddings=4 * L)
+    rope32 = RotaryEmbedding(
+        d,
+        scaling={
+            "rope_type": "longrope",
+            "short_factor": short,
+            "long_factor": long,
+            "original_max_position_embeddings": L,
+        },
+        max_position_embeddings=4 * L,
+    )
     cos_short, _ = rope32.cos_sin(torch.arange(L))
     cos_long, _ = rope32.cos_sin(torch.arange(L + 1))
     assert not torch.allclose(cos_short[1], cos_long[1])
@@ -342,7 +470,13 @@ LLAMA31 = {
     "num_attention_heads": 32,
     "max_position_embeddings": 131072,
     "rope_theta": 500000.0,
-    "rope_scaling": {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_scaling": {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+        "rope_type": "llama3",
+    },
 }
 PHI3 = {  # Phi-3-mini-128k: original length at top level, "type" key, factor inferred
     "hidden_size": 3072,
@@ -366,7 +500,9 @@ def test_from_config_phi3_longrope():
     assert rope.scaling["original_max_position_embeddings"] == 4096
     assert rope.attention_scaling == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=REL)
     rope.cos_sin(torch.tensor([5000]), torch.float64)
-    assert rope._inv_freq64.tolist() == pytest.approx([w / (1.0 + i) for i, w in enumerate(ref_default(96, 1e4))], rel=REL)
+    assert rope._inv_freq64.tolist() == pytest.approx(
+        [w / (1.0 + i) for i, w in enumerate(ref_default(96, 1e4))], rel=REL
+    )
 
 
 def test_from_config_rope_parameters_with_theta_and_partial_factor():
@@ -375,7 +511,13 @@ def test_from_config_rope_parameters_with_theta_and_partial_factor():
         "num_attention_heads": 4,
         "head_dim": 64,
         "max_position_embeddings": 8192,
-        "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048, "rope_theta": 1e6, "partial_rotary_factor": 0.5},
+        "rope_parameters": {
+            "rope_type": "yarn",
+            "factor": 4.0,
+            "original_max_position_embeddings": 2048,
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.5,
+        },
     }
     options = rope_config(config)
     assert options == {
@@ -385,7 +527,9 @@ def test_from_config_rope_parameters_with_theta_and_partial_factor():
         "scaling": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 2048},
         "max_position_embeddings": 8192,
     }
-    plain = rope_config({"hidden_size": 64, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}})
+    plain = rope_config(
+        {"hidden_size": 64, "num_attention_heads": 2, "rope_parameters": {"rope_type": "default", "rope_theta": 10.0}}
+    )
     assert plain["scaling"] is None and plain["theta"] == 10.0 and plain["head_dim"] == 32
     assert rope_config({"head_dim": 8})["theta"] == 10000.0
 
@@ -395,13 +539,47 @@ def test_from_config_rope_parameters_with_theta_and_partial_factor():
     [
         ({"hidden_size": 64}, ValueError, "num_attention_heads"),
         ({"hidden_size": 65, "num_attention_heads": 2}, ValueError, "divisible"),
-        ({"head_dim": 8, "rope_theta": 10.0, "rope_parameters": {"rope_type": "default", "rope_theta": 20.0}}, ValueError, "disagrees"),
-        ({"head_dim": 8, "rope_parameters": {"full_attention": {"rope_type": "default"}, "sliding_attention": {"rope_type": "default"}}}, ValueError, "layer type"),
-        ({"head_dim": 8, "rope_scaling": {"rope_type": "linear", "factor": 2.0}, "rope_parameters": {"rope_type": "linear", "factor": 4.0}}, ValueError, "differ"),
+        (
+            {"head_dim": 8, "rope_theta": 10.0, "rope_parameters": {"rope_type": "default", "rope_theta": 20.0}},
+            ValueError,
+            "disagrees",
+        ),
+        (
+            {
+                "head_dim": 8,
+                "rope_parameters": {
+                    "full_attention": {"rope_type": "default"},
+                    "sliding_attention": {"rope_type": "default"},
+                },
+            },
+            ValueError,
+            "layer type",
+        ),
+        (
+            {
+                "head_dim": 8,
+                "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+                "rope_parameters": {"rope_type": "linear", "factor": 4.0},
+            },
+            ValueError,
+            "differ",
+        ),
         ({"head_dim": 8, "rope_scaling": {"rope_type": "su", "factor": 2.0}}, ValueError, "rope_type"),
-        ({"head_dim": 8, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, ValueError, "max_position_embeddings"),
+        (
+            {"head_dim": 8, "rope_scaling": {"rope_type": "dynamic", "factor": 2.0}},
+            ValueError,
+            "max_position_embeddings",
+        ),
         ({"head_dim": 8, "partial_rotary_factor": 0.375}, ValueError, "even"),  # 8 * 0.375 = 3 rotated features
-        ({"head_dim": 8, "original_max_position_embeddings": 16, "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32}}, ValueError, "disagrees"),
+        (
+            {
+                "head_dim": 8,
+                "original_max_position_embeddings": 16,
+                "rope_scaling": {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 32},
+            },
+            ValueError,
+            "disagrees",
+        ),
         ("config.json", TypeError, "dict"),
     ],
 )
@@ -417,11 +595,36 @@ PEER_CASES = [
     ("dynamic", {"factor": 4.0}, 2048, 5000),
     ("dynamic", {"factor": 2.0}, 2048, 1000),
     ("yarn", {"factor": 8.0, "original_max_position_embeddings": 4096}, 32768, None),
-    ("yarn", {"factor": 8.0, "original_max_position_embeddings": 4096, "truncate": False, "beta_fast": 16.0}, 32768, None),
-    ("yarn", {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707}, 163840, None),
-    ("llama3", {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}, 131072, None),
-    ("longrope", {"short_factor": SHORT, "long_factor": LONG, "factor": 32.0, "original_max_position_embeddings": 4096}, 131072, 5000),
-    ("longrope", {"short_factor": SHORT, "long_factor": LONG, "factor": 32.0, "original_max_position_embeddings": 4096}, 131072, 100),
+    (
+        "yarn",
+        {"factor": 8.0, "original_max_position_embeddings": 4096, "truncate": False, "beta_fast": 16.0},
+        32768,
+        None,
+    ),
+    (
+        "yarn",
+        {"factor": 40.0, "original_max_position_embeddings": 4096, "mscale": 1.0, "mscale_all_dim": 0.707},
+        163840,
+        None,
+    ),
+    (
+        "llama3",
+        {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
+        131072,
+        None,
+    ),
+    (
+        "longrope",
+        {"short_factor": SHORT, "long_factor": LONG, "factor": 32.0, "original_max_position_embeddings": 4096},
+        131072,
+        5000,
+    ),
+    (
+        "longrope",
+        {"short_factor": SHORT, "long_factor": LONG, "factor": 32.0, "original_max_position_embeddings": 4096},
+        131072,
+        100,
+    ),
 ]
 
 
@@ -431,7 +634,13 @@ def test_agrees_with_transformers(rope_type, params, max_pos, seq_len):
     from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
     parameters = {"rope_type": rope_type, "rope_theta": 500000.0, **params}
-    config = transformers.LlamaConfig(hidden_size=512, num_attention_heads=8, head_dim=64, max_position_embeddings=max_pos, rope_parameters=dict(parameters))
+    config = transformers.LlamaConfig(
+        hidden_size=512,
+        num_attention_heads=8,
+        head_dim=64,
+        max_position_embeddings=max_pos,
+        rope_parameters=dict(parameters),
+    )
     peer_inv, peer_scale = ROPE_INIT_FUNCTIONS[rope_type](config, "cpu", seq_len=seq_len)
     inv, scale = rope_frequencies(64, 500000.0, parameters, max_position_embeddings=max_pos, seq_len=seq_len)
     # transformers works in float32 (powers, products and the ramp): a few float32 ulps apart.

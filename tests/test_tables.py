@@ -36,7 +36,7 @@ def test_table_within_bound_at_every_position_up_to_2_pow_20(head_dim, theta):
         angles = positions.numpy().astype(np.float64)[:, None] * reference_inv
         worst = max(worst, np.abs(cos.numpy() - np.cos(angles)).max(), np.abs(sin.numpy() - np.sin(angles)).max())
     assert worst <= BOUND, worst
-    assert worst <= 2 ** -24  # in fact: the float32 rounding of the result, nothing more
+    assert worst <= 2**-24  # in fact: the float32 rounding of the result, nothing more
 
 
 def test_the_usual_float32_product_misses_the_bound():
@@ -50,7 +50,9 @@ def test_the_usual_float32_product_misses_the_bound():
     assert error > 1e-3, error
 
 
-@pytest.mark.parametrize("scaling,max_pos", [({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536}, None)])
+@pytest.mark.parametrize(
+    "scaling,max_pos", [({"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 65536}, None)]
+)
 def test_rotary_embedding_cache_within_bound(scaling, max_pos):
     # The module's float32 cache (grown by doubling) over all positions up to 2^20, with YaRN's temperature too.
     rope = RotaryEmbedding(16, 10000.0, scaling=scaling, max_position_embeddings=max_pos)

@@ -73,7 +73,10 @@ def test_xpos_scores_depend_on_the_offset_only(shift, center, seed):
     g = torch.Generator().manual_seed(seed)
     d = 16
     xpos = XPos(d, scale_base=64.0)
-    q, k = torch.randn(1, 5, 1, d, generator=g, dtype=torch.float64), torch.randn(1, 5, 1, d, generator=g, dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 5, 1, d, generator=g, dtype=torch.float64),
+        torch.randn(1, 5, 1, d, generator=g, dtype=torch.float64),
+    )
     positions = torch.tensor([0, 1, 2, 7, 30])
     base_scores = scores(*xpos(q, k, positions))
     shifted = scores(*xpos(q, k, positions + shift, center=center))
@@ -105,7 +108,9 @@ def test_xpos_decays_with_distance_for_causal_keys():
     x = torch.ones(1, 64, 1, d, dtype=torch.float64)
     q2, k2 = xpos(x, x)
     row = scores(q2, k2)[63, :].flip(0)  # offsets 0, 1, ..., 63
-    envelope = torch.tensor([sum(2 * r ** (o / 8.0) for r in xpos_decay_rates(d).tolist()) for o in range(64)], dtype=torch.float64)
+    envelope = torch.tensor(
+        [sum(2 * r ** (o / 8.0) for r in xpos_decay_rates(d).tolist()) for o in range(64)], dtype=torch.float64
+    )
     assert bool((row.abs() <= envelope + ATOL).all())
     assert envelope[63] < 0.2 * envelope[0]
 
@@ -166,11 +171,19 @@ def test_axial_matches_reference_scores():
 
 
 @settings(max_examples=30, deadline=None)
-@given(dr=st.integers(0, 500), dc=st.integers(0, 500), seed=st.integers(0, 2**16), layout=st.sampled_from(["half", "interleaved"]))
+@given(
+    dr=st.integers(0, 500),
+    dc=st.integers(0, 500),
+    seed=st.integers(0, 2**16),
+    layout=st.sampled_from(["half", "interleaved"]),
+)
 def test_axial_scores_depend_on_the_2d_offset_only(dr, dc, seed, layout):
     g = torch.Generator().manual_seed(seed)
     rope2d = AxialRotaryEmbedding(16, layout=layout)
-    q, k = torch.randn(1, 12, 1, 16, generator=g, dtype=torch.float64), torch.randn(1, 12, 1, 16, generator=g, dtype=torch.float64)
+    q, k = (
+        torch.randn(1, 12, 1, 16, generator=g, dtype=torch.float64),
+        torch.randn(1, 12, 1, 16, generator=g, dtype=torch.float64),
+    )
     pos = axial_positions(3, 4)
     base_scores = scores(*rope2d(q, k, pos))
     shifted = scores(*rope2d(q, k, pos + torch.tensor([dr, dc])))
