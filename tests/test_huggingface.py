@@ -428,9 +428,8 @@ def test_rejects_per_layer_rope_parameters_and_leaves_model_unchanged() -> None:
     assert model.model.rotary_emb is original_module
 
 
-def test_rejects_a_model_with_interleaved_tables() -> None:
-    # Cohere writes each angle twice side by side (repeat_interleave), not in two halves: the
-    # patch-time probe sees that ropelib's tables differ and refuses.
+def tiny_cohere() -> torch.nn.Module:
+    """A one-layer Cohere model: its tables repeat each angle side by side (interleaved), not in halves."""
     config = transformers.CohereConfig(
         hidden_size=64,
         intermediate_size=128,
@@ -439,7 +438,13 @@ def test_rejects_a_model_with_interleaved_tables() -> None:
         num_key_value_heads=2,
         vocab_size=100,
     )
-    model = transformers.CohereForCausalLM(config)
+    return transformers.CohereForCausalLM(config)
+
+
+def test_rejects_a_model_with_interleaved_tables() -> None:
+    # Cohere writes each angle twice side by side (repeat_interleave), not in two halves: the
+    # patch-time probe sees that ropelib's tables differ and refuses.
+    model = tiny_cohere()
     original_module = model.model.rotary_emb
     with pytest.raises(ValueError, match="does not reproduce"):
         patch_hf_rope(model)
@@ -463,15 +468,7 @@ def test_model_cast_to_bfloat16_is_patched_with_exact_tables() -> None:
 
 
 def test_coarse_probe_still_refuses_a_different_layout() -> None:
-    config = transformers.CohereConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
-    model = transformers.CohereForCausalLM(config).to(torch.bfloat16)
+    model = tiny_cohere().to(torch.bfloat16)
     with pytest.raises(ValueError, match="does not reproduce"):
         patch_hf_rope(model)
 

@@ -434,32 +434,20 @@ def test_dynamic_rotary_embedding_follows_the_length_like_hugging_face():
 def test_longrope_rotary_embedding_switches_factors():
     d, L = 8, 32
     short, long = [1.0, 1.1, 1.2, 1.3], [1.0, 2.0, 4.0, 8.0]
-    rope = RotaryEmbedding(
-        d,
-        scaling={
-            "rope_type": "longrope",
-            "short_factor": short,
-            "long_factor": long,
-            "original_max_position_embeddings": L,
-        },
-        max_position_embeddings=4 * L,
-    )
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": L,
+    }
+    rope = RotaryEmbedding(d, scaling=scaling, max_position_embeddings=4 * L)
     x = torch.randn(1, 1, 1, d, dtype=torch.float64)
     for last in (5, 31, 32, 100, 3):
         got, _ = rope(x, x, torch.tensor([last]))
         expected_inv, scale = ref_longrope(d, 10000.0, short, long, L, last + 1, 4.0)
         assert torch.allclose(got, rotate_reference(x, expected_inv, [last], scale), rtol=0, atol=1e-12), last
     # the float32 cache is rebuilt when the factors switch
-    rope32 = RotaryEmbedding(
-        d,
-        scaling={
-            "rope_type": "longrope",
-            "short_factor": short,
-            "long_factor": long,
-            "original_max_position_embeddings": L,
-        },
-        max_position_embeddings=4 * L,
-    )
+    rope32 = RotaryEmbedding(d, scaling=scaling, max_position_embeddings=4 * L)
     cos_short, _ = rope32.cos_sin(torch.arange(L))
     cos_long, _ = rope32.cos_sin(torch.arange(L + 1))
     assert not torch.allclose(cos_short[1], cos_long[1])
