@@ -206,7 +206,7 @@ class MultiHeadAttention(nn.Module):
 
 def elu_feature_map(x: torch.Tensor) -> torch.Tensor:
     r"""``phi(x) = elu(x) + 1 > 0``, the feature map of Katharopoulos et al. (2020)."""
-    return F.elu(x) + 1.0
+    return F.elu(check_float_tensor(x, "x")) + 1.0
 
 
 def _check_linear_qk(q: torch.Tensor, k: torch.Tensor, rope: RotaryEmbedding | None, positions: object) -> None:

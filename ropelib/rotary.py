@@ -40,6 +40,9 @@ BACKENDS = ("auto", "torch", "triton")
 
 def rotate_half(x: torch.Tensor) -> torch.Tensor:
     """``(x1, x2) -> (-x2, x1)`` on the two halves of the last dimension (the ``"half"`` layout's 90° turn)."""
+    x = check_float_tensor(x, "x")
+    if x.ndim == 0 or x.shape[-1] % 2:
+        raise ValueError(f"x must have an even last dimension (two halves), got shape {tuple(x.shape)}")
     x1, x2 = x.chunk(2, dim=-1)
     return torch.cat((-x2, x1), dim=-1)
 

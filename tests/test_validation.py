@@ -20,12 +20,14 @@ from ropelib import (
     apply_rotary_emb,
     convert_rotary_layout,
     cos_sin_table,
+    elu_feature_map,
     layout_permutation,
     linear_attention,
     linear_attention_weights,
     precompute_pos_cis,
     relative_positions,
     rope_frequencies,
+    rotate_half,
     sinusoidal_encoding,
     sinusoidal_shift_matrix,
     t5_relative_bucket,
@@ -384,3 +386,15 @@ def test_scalar_values(match, call) -> None:
 def test_q_and_k_must_share_dtype() -> None:
     with pytest.raises(ValueError, match="q and k must share dtype and device"):
         RotaryEmbedding(8)(Q, Q.double())
+
+
+def test_rotate_half_needs_an_even_floating_last_dimension() -> None:
+    with pytest.raises(ValueError, match="x must have an even last dimension"):
+        rotate_half(torch.zeros(2, 5))
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        rotate_half(torch.zeros(2, 4, dtype=torch.long))
+
+
+def test_elu_feature_map_needs_a_floating_tensor() -> None:
+    with pytest.raises(TypeError, match="x must be a floating-point tensor"):
+        elu_feature_map(torch.ones(3, dtype=torch.int32))
