@@ -66,16 +66,22 @@ SCALINGS = {
 }
 
 
+# The size of every model built in these tests: small enough for a CPU, two layers so that errors compound.
+TINY: dict[str, int] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=100,
+)
+
+
 def tiny_model(family: str = "llama", scaling: str = "default", **overrides: object) -> torch.nn.Module:
     config_cls, model_cls = FAMILIES[family]
     rope_parameters, max_positions = SCALINGS[scaling]
     options = dict(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
+        **TINY,
         max_position_embeddings=max_positions,
         rope_parameters=copy.deepcopy(rope_parameters),
         initializer_range=0.1,  # std 0.1 rather than 0.02: attention is sharp enough to depend on position
@@ -233,12 +239,7 @@ def test_phi3_partial_rotary_matches_unpatched(rope_type: str) -> None:
     if rope_type == "longrope":
         rope_parameters.update(short_factor=[1.0, 1.1, 1.3, 1.6], long_factor=[1.0, 2.0, 4.0, 8.0])
     config = transformers.Phi3Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
+        **TINY,
         max_position_embeddings=64,
         original_max_position_embeddings=16,
         initializer_range=0.1,
@@ -430,14 +431,7 @@ def test_rejects_per_layer_rope_parameters_and_leaves_model_unchanged() -> None:
 
 def tiny_cohere() -> torch.nn.Module:
     """A one-layer Cohere model: its tables repeat each angle side by side (interleaved), not in halves."""
-    config = transformers.CohereConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=1,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-    )
+    config = transformers.CohereConfig(**{**TINY, "num_hidden_layers": 1})
     return transformers.CohereForCausalLM(config)
 
 
