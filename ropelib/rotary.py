@@ -29,6 +29,8 @@ from torch import nn
 
 from ._validation import check_choice, check_even, check_float_tensor, check_int, check_positions, check_positive_float
 from .frequencies import cos_sin_table, inverse_frequencies64
+from .kernels import rotary_qk
+from .scaling import frequency_seq_len, rope_config
 
 #: Which features form a rotated pair. ``"half"`` pairs ``(i, i + r/2)`` (GPT-NeoX, Hugging Face),
 #: ``"interleaved"`` pairs ``(2i, 2i + 1)`` (GPT-J, Meta's LLaMA code, the seed post).
@@ -229,20 +231,17 @@ class RotaryEmbedding(nn.Module):
         scaling (``dynamic``, ``longrope``) the frequencies are first brought to the length
         ``positions.max() + 1`` (see :func:`ropelib.scaling.frequency_seq_len`).
         """
-        self._follow_length(positions)
+        high = int(positions.max()) + 1 if positions.numel() else 0
+        self._follow_length(high)
         if dtype == torch.float64:
             return cos_sin_table(self._inv_freq64, positions, self.attention_scaling, torch.float64)
-        high = int(positions.max()) + 1 if positions.numel() else 0
         cos, sin = self.cos_sin_cache(high, positions.device)
         return cos[positions], sin[positions]
 
-    def _follow_length(self, positions: torch.Tensor) -> None:
-        """Recompute dynamic NTK / LongRoPE frequencies when the sequence length calls for it (as Hugging Face does)."""
-        if self.scaling is None or positions.numel() == 0:
+    def _follow_length(self, needed: int) -> None:
+        """Recompute dynamic NTK / LongRoPE frequencies for a sequence of ``needed`` positions (as Hugging Face does)."""
+        if self.scaling is None or needed == 0:
             return
-        from .scaling import frequency_seq_len
-
-        needed = int(positions.max()) + 1
         seq_len = frequency_seq_len(
             self.scaling, needed, self._freq_seq_len, max_position_embeddings=self.max_position_embeddings
         )
@@ -267,8 +266,6 @@ class RotaryEmbedding(nn.Module):
             >>> rope.head_dim, rope.theta, rope.scaling
             (16, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
         """
-        from .scaling import rope_config
-
         options = rope_config(config)
         return cls(layout=layout, backend=backend, **options)
 
@@ -295,14 +292,11 @@ class RotaryEmbedding(nn.Module):
         given = positions is not None
         positions = self.check_qk(q, k, positions)
         if q.dtype != torch.float64:  # fused kernels (ropelib.kernels) for self.backend; float64 stays on the reference
-            from .kernels import rotary_qk
-
-            self._follow_length(positions)
             length = int(positions.max()) + 1 if given and positions.numel() else q.shape[1]
+            self._follow_length(length)
             cos, sin = self.cos_sin_cache(max(length, 1), q.device)
             return rotary_qk(q, k, cos, sin, positions if given else None, layout=self.layout, kernel=self.backend)
-        compute = torch.float64
-        cos, sin = self.cos_sin(positions, compute)
+        cos, sin = self.cos_sin(positions, torch.float64)
         return apply_rotary(q, cos, sin, layout=self.layout), apply_rotary(k, cos, sin, layout=self.layout)
 
     def extra_repr(self) -> str:
