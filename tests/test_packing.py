@@ -1,0 +1,130 @@
+"""Positions of packed sequences (ropelib.packing): hand-worked values, a loop reference, validation, compile."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ropelib.packing import check_cu_seqlens, packed_positions
+from ropelib.rotary import RotaryEmbedding
+
+
+def positions_loop(lengths: list[int]) -> list[int]:
+    """The reference: count from 0 in every document, one token at a time."""
+    out = []
+    for n in lengths:
+        for i in range(n):
+            out.append(i)
+    return out
+
+
+def cumulative(lengths: list[int]) -> list[int]:
+    cu = [0]
+    for n in lengths:
+        cu.append(cu[-1] + n)
+    return cu
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int64])
+def test_worked_example(dtype: torch.dtype) -> None:
+    # Documents of 3, 0, 5 and 2 tokens.
+    cu = torch.tensor([0, 3, 3, 8, 10], dtype=dtype)
+    expected = [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+    for total in (None, 10):
+        pos = packed_positions(cu, total_tokens=total)
+        assert pos.dtype == torch.int64 and pos.device == cu.device
+        assert pos.tolist() == expected
+
+
+@pytest.mark.parametrize(
+    ("cu", "expected"),
+    [
+        ([0], []),  # no documents
+        ([0, 0, 0], []),  # only empty documents
+        ([0, 0, 2], [0, 1]),  # an empty document first
+        ([0, 2, 2, 2], [0, 1]),  # empty documents last
+        ([0, 1, 2, 3], [0, 0, 0]),  # one-token documents
+        ([0, 4], [0, 1, 2, 3]),  # one document: 0 .. T-1
+    ],
+)
+def test_empty_and_edge_documents(cu: list[int], expected: list[int]) -> None:
+    assert packed_positions(torch.tensor(cu)).tolist() == expected
+    assert packed_positions(torch.tensor(cu, dtype=torch.int32), total_tokens=cu[-1]).tolist() == expected
+
+
+@settings(deadline=None, max_examples=60)
+@given(
+    lengths=st.lists(st.integers(min_value=0, max_value=12), min_size=0, max_size=10),
+    int32=st.booleans(),
+    pass_total=st.booleans(),
+)
+def test_matches_python_loop(lengths: list[int], int32: bool, pass_total: bool) -> None:
+    cu = torch.tensor(cumulative(lengths), dtype=torch.int32 if int32 else torch.int64)
+    total = sum(lengths) if pass_total else None
+    assert packed_positions(cu, total_tokens=total).tolist() == positions_loop(lengths)
+
+
+def test_rotating_a_packed_row_equals_rotating_each_document() -> None:
+    # The point of packed positions: a document's rotation does not depend on what is packed before it.
+    lengths = [3, 0, 5, 2]
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 10, 2, 8, dtype=torch.float64), torch.randn(1, 10, 1, 8, dtype=torch.float64)
+    q2, k2 = rope(q, k, positions=packed_positions(torch.tensor(cumulative(lengths))))
+    start = 0
+    for n in lengths:
+        q_doc, k_doc = rope(q[:, start : start + n], k[:, start : start + n])  # default positions 0 .. n-1
+        torch.testing.assert_close(q2[:, start : start + n], q_doc, rtol=0, atol=0)
+        torch.testing.assert_close(k2[:, start : start + n], k_doc, rtol=0, atol=0)
+        start += n
+
+
+@pytest.mark.parametrize(
+    ("cu", "total", "error", "match"),
+    [
+        (
+            torch.tensor([0, 3, 2, 5]),
+            None,
+            ValueError,
+            r"cu_seqlens must be non-decreasing, got cu_seqlens\[1\] = 3 > cu_seqlens\[2\] = 2",
+        ),
+        (torch.tensor([1, 3, 5]), None, ValueError, r"cu_seqlens\[0\] must be 0, got 1"),
+        (torch.tensor([0, 3, 10]), 12, ValueError, r"cu_seqlens\[-1\] must equal the number of tokens 12, got 10"),
+        (torch.tensor([0.0, 3.0]), None, TypeError, r"cu_seqlens must be an integer tensor .* got torch.float32"),
+        (torch.tensor([False, True]), None, TypeError, r"cu_seqlens must be an integer tensor .* got torch.bool"),
+        (torch.tensor([[0, 3], [3, 5]]), None, ValueError, r"cu_seqlens must be 1-D .* got shape \(2, 2\)"),
+        (torch.tensor([], dtype=torch.int64), None, ValueError, r"cu_seqlens must have at least one entry"),
+        ([0, 3, 5], None, TypeError, r"cu_seqlens must be an integer torch.Tensor, got list"),
+        (torch.tensor([0, 3]), 3.0, TypeError, r"total_tokens must be an int, got float"),
+        (torch.tensor([0, 3]), True, TypeError, r"total_tokens must be an int, got bool"),
+        (torch.tensor([0, 3]), -1, ValueError, r"total_tokens must be >= 0, got -1"),
+    ],
+)
+def test_bad_input_raises(cu: object, total: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        check_cu_seqlens(cu, total)
+    with pytest.raises(error, match=match):
+        packed_positions(cu, total_tokens=total)  # type: ignore[arg-type]
+
+
+def test_check_names_the_argument() -> None:
+    with pytest.raises(ValueError, match=r"cu_seqlens_k\[0\] must be 0"):
+        check_cu_seqlens(torch.tensor([2, 4]), name="cu_seqlens_k")
+    cu = torch.tensor([0, 2, 4], dtype=torch.int32)
+    assert check_cu_seqlens(cu, 4) is cu
+
+
+def test_compiles_in_one_graph() -> None:
+    def fn(cu: torch.Tensor, n: int) -> torch.Tensor:
+        return packed_positions(cu, total_tokens=n)
+
+    cu = torch.tensor([0, 3, 3, 8, 10])
+    explained = torch._dynamo.explain(fn)(cu, 10)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    compiled = torch.compile(fn, fullgraph=True)
+    assert compiled(cu, 10).tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
+    # A second length makes the size symbolic (automatic dynamic shapes): still one graph, still right.
+    lengths = [2, 0, 4, 1, 5]
+    cu2 = torch.tensor(cumulative(lengths), dtype=torch.int32)
+    assert compiled(cu2, sum(lengths)).tolist() == positions_loop(lengths)
