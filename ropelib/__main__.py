@@ -1,13 +1,14 @@
-"""``python -m ropelib``: the version, the device ropelib sees, and which backends are usable.
+"""``python -m ropelib``: the version, the device ropelib sees, and which ways of running the rotation work here.
 
 ::
 
     python -m ropelib           # quick: what is installed and what the device supports
-    python -m ropelib --check   # also run each backend once on a small input against the reference
+    python -m ropelib --check   # also run each one once on a small input against the reference
 
-A backend is one way of computing the rotation: ``torch`` (PyTorch operations, any device),
-``triton`` (the fused Triton kernel; on a machine without CUDA it runs in Triton's interpreter,
-correct but slow) and ``compile`` (:func:`torch.compile` of the PyTorch path).
+The ways (:data:`RUN_PATHS`) are the kernels of :data:`ropelib.kernels.KERNELS` (``torch``: PyTorch
+operations, any device; ``triton``: the fused Triton kernel, which on a machine without CUDA runs
+in Triton's interpreter, correct but slow) and ``compile`` (:func:`torch.compile` of the PyTorch
+kernel). This is a tool on top of the library; nothing in the library imports it.
 """
 
 from __future__ import annotations
@@ -25,13 +26,15 @@ from dataclasses import dataclass
 import torch
 
 import ropelib
+import ropelib.kernels
 
-BACKEND_NAMES = ("torch", "triton", "compile")
+#: Each kernel, and torch.compile of the PyTorch kernel.
+RUN_PATHS = (*ropelib.kernels.KERNELS, "compile")
 
 
 @dataclass(frozen=True)
-class BackendStatus:
-    """Whether a backend can run here, and why (or why not)."""
+class PathStatus:
+    """Whether a way of running the rotation works here, and why (or why not)."""
 
     name: str
     usable: bool
@@ -50,35 +53,32 @@ def _version(module_name: str) -> str | None:
         return "unknown version"
 
 
-def _detect(name: str, device: torch.device) -> BackendStatus:
+def _detect(name: str, device: torch.device) -> PathStatus:
     """What can be said without running anything."""
     if name == "torch":
-        return BackendStatus(name, True, f"PyTorch {torch.__version__} operations on {device.type}")
+        return PathStatus(name, True, f"PyTorch {torch.__version__} operations on {device.type}")
     if name == "triton":
         triton_version = _version("triton")
         if triton_version is None:
-            return BackendStatus(name, False, "triton is not installed")
+            return PathStatus(name, False, "triton is not installed")
         if device.type == "cuda":
-            return BackendStatus(name, True, f"Triton {triton_version}, compiled for the GPU")
-        if os.environ.get("TRITON_INTERPRET") == "1":
-            return BackendStatus(
-                name, True, f"Triton {triton_version} in the interpreter (no CUDA device): correct, slow"
-            )
-        return BackendStatus(name, False, "no CUDA device and TRITON_INTERPRET is not 1")
+            return PathStatus(name, True, f"Triton {triton_version}, compiled for the GPU")
+        if os.environ.get("TRITON_INTERPRET", "1") == "1":
+            return PathStatus(name, True, f"Triton {triton_version} in the interpreter (no CUDA device): correct, slow")
+        return PathStatus(name, False, "no CUDA device and TRITON_INTERPRET=0")
     if device.type == "cuda":
         if _version("triton") is None:
-            return BackendStatus(name, False, "torch.compile on CUDA needs triton, which is not installed")
-        return BackendStatus(name, True, "torch.compile (inductor, Triton code for the GPU)")
+            return PathStatus(name, False, "torch.compile on CUDA needs triton, which is not installed")
+        return PathStatus(name, True, "torch.compile (inductor, Triton code for the GPU)")
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
     if not compiler:
-        return BackendStatus(name, False, "torch.compile on CPU needs a C++ compiler (g++ or clang++), none found")
-    return BackendStatus(name, True, f"torch.compile (inductor, C++ code built with {compiler})")
+        return PathStatus(name, False, "torch.compile on CPU needs a C++ compiler (g++ or clang++), none found")
+    return PathStatus(name, True, f"torch.compile (inductor, C++ code built with {compiler})")
 
 
-def _run(name: str, device: torch.device) -> BackendStatus:
-    """Rotate a small q and k with the backend and compare with :func:`ropelib.apply_rotary`."""
-    from ropelib.kernels import rotary_qk
-
+def _run(name: str, device: torch.device) -> PathStatus:
+    """Rotate a small q and k that way and compare with :func:`ropelib.apply_rotary`."""
+    rotary_qk = ropelib.kernels.rotary_qk
     generator = torch.Generator().manual_seed(0)
     q = torch.randn(2, 16, 4, 32, generator=generator).to(device)
     k = torch.randn(2, 16, 2, 32, generator=generator).to(device)
@@ -97,34 +97,34 @@ def _run(name: str, device: torch.device) -> BackendStatus:
     error = max((got_q - want_q).abs().max().item(), (got_k - want_k).abs().max().item())
     ok = error <= 1e-5
     verdict = "matches" if ok else "DIFFERS from"
-    return BackendStatus(
+    return PathStatus(
         name, ok, f"ran in {seconds:.2g} s (first call) and {verdict} the reference (max |diff| {error:.1e})"
     )
 
 
-def check_backends(
-    names: Sequence[str] = BACKEND_NAMES, *, run: bool = False, device: torch.device | None = None
-) -> list[BackendStatus]:
-    """The status of each backend in ``names`` on ``device`` (ropelib's default device).
+def check_paths(
+    names: Sequence[str] = RUN_PATHS, *, run: bool = False, device: torch.device | None = None
+) -> list[PathStatus]:
+    """The status of each way in ``names`` on ``device`` (ropelib's default device).
 
-    With ``run=True`` every backend that looks usable is also run once on a small input and
+    With ``run=True`` every way that looks usable is also run once on a small input and
     compared with :func:`ropelib.apply_rotary`; a failure or a wrong result marks it unusable.
 
     Example:
-        >>> [status.usable for status in check_backends(["torch"])]
+        >>> [status.usable for status in check_paths(["torch"])]
         [True]
     """
     device = ropelib.default_device() if device is None else device
     statuses = []
     for name in names:
-        if name not in BACKEND_NAMES:
-            raise ValueError(f"names must be drawn from {list(BACKEND_NAMES)}, got {name!r}")
+        if name not in RUN_PATHS:
+            raise ValueError(f"names must be drawn from {list(RUN_PATHS)}, got {name!r}")
         status = _detect(name, device)
         if run and status.usable:
             try:
                 status = _run(name, device)
-            except Exception as error:  # any failure is the answer: this backend does not work here
-                status = BackendStatus(name, False, f"failed: {type(error).__name__}: {error}")
+            except Exception as error:  # any failure is the answer: this way does not work here
+                status = PathStatus(name, False, f"failed: {type(error).__name__}: {error}")
         statuses.append(status)
     return statuses
 
@@ -137,16 +137,16 @@ def report(*, run: bool = False) -> str:
         f"ropelib {ropelib.__version__}",
         f"python {platform.python_version()}, torch {torch.__version__}, {optional}",
         f"device: {device.type} ({ropelib.device_name(device)})",
-        "backends:",
+        "ways to run the rotation:",
     ]
-    for status in check_backends(run=run, device=device):
+    for status in check_paths(run=run, device=device):
         lines.append(f"  {status.name:<8} {'usable' if status.usable else 'not usable':<11} {status.detail}")
     return "\n".join(lines)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m ropelib", description=__doc__.splitlines()[0])
-    parser.add_argument("--check", action="store_true", help="run each backend once and compare with the reference")
+    parser.add_argument("--check", action="store_true", help="run each way once and compare with the reference")
     parser.add_argument("--version", action="version", version=f"ropelib {ropelib.__version__}")
     args = parser.parse_args(argv)
     print(report(run=args.check))

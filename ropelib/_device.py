@@ -1,30 +1,13 @@
-"""Device selection and the Triton interpreter switch.
-
-Triton reads ``TRITON_INTERPRET`` when a ``@triton.jit`` function is *defined*, so the
-variable must be set before any kernel module is imported. :mod:`ropelib` imports this
-module first: with no CUDA device present it turns the interpreter on, which lets the
-Triton kernels run (slowly) on the CPU.
-"""
+"""Which device ropelib uses by default, and how to name a device beside a timing."""
 
 from __future__ import annotations
-
-import os
 
 import torch
 
 
-def cuda_available() -> bool:
-    """True when PyTorch sees at least one CUDA device."""
-    return torch.cuda.is_available()
-
-
-if not cuda_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-
 def default_device() -> torch.device:
     """``cuda`` when a CUDA device is present, else ``cpu``."""
-    return torch.device("cuda" if cuda_available() else "cpu")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def device_name(device: torch.device | str | None = None) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_even, check_float_tensor, check_int, check_positive_float
+from ._validation import check_even, check_int, check_positive_float, check_qk, check_same_device
 from .frequencies import cos_sin_table, default_inverse_frequencies
 
 
@@ -63,18 +63,16 @@ def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, pos_cis: torch.Tensor) 
         ``(xq_out, xk_out)`` in the input dtypes; the product runs in complex64 (complex128 for
         float64 input).
     """
-    xq = check_float_tensor(xq, "xq", ndim=4)
-    xk = check_float_tensor(xk, "xk", ndim=4)
+    check_qk(xq, xk, names=("xq", "xk"))
     if xq.shape[-1] % 2:
         raise ValueError(f"xq's head_dim must be even (features are paired), got {xq.shape[-1]}")
-    if xq.shape[:2] != xk.shape[:2] or xq.shape[-1] != xk.shape[-1]:
-        raise ValueError(f"xq and xk must share batch, seq and head_dim, got {list(xq.shape)} and {list(xk.shape)}")
     pos_cis = _check_pos_cis(pos_cis, xq)
+    check_same_device("pos_cis", pos_cis, "xq", xq)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         real = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pairs = torch.view_as_complex(x.to(real).reshape(*x.shape[:-1], -1, 2).contiguous())
-        factor = pos_cis.to(device=x.device, dtype=pairs.dtype)[None, :, None, :]  # [1, seq, 1, d/2]
+        pairs = torch.view_as_complex(x.to(real).reshape(*x.shape[:-1], x.shape[-1] // 2, 2).contiguous())
+        factor = pos_cis.to(dtype=pairs.dtype)[None, :, None, :]  # [1, seq, 1, d/2]
         return torch.view_as_real(pairs * factor).flatten(3).to(x.dtype)
 
     return rotate(xq), rotate(xk)

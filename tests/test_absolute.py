@@ -15,13 +15,14 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import EPS, sinusoid_ref
 from ropelib import (
     LearnedPositionalEmbedding,
     SinusoidalPositionalEncoding,
     sinusoidal_encoding,
     sinusoidal_shift_matrix,
 )
+
+from references import EPS, sinusoid_ref
 
 
 def test_table_matches_formula() -> None:

@@ -13,7 +13,6 @@ import math
 import pytest
 import torch
 
-from conftest import attention_ref, rotate_ref, sinusoid_ref
 from ropelib import (
     POSITION_ENCODINGS,
     LinearAttention,
@@ -22,6 +21,8 @@ from ropelib import (
     linear_attention,
     linear_attention_weights,
 )
+
+from references import attention_ref, rotate_ref, sinusoid_ref
 
 # float64 module vs float64 loops: a few hundred float64 operations per entry, values O(1);
 # 1e-12 is ~10^4 ulps of margin while any real discrepancy (a wrong bias, a missing rotation)

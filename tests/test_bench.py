@@ -26,6 +26,7 @@ FIELDS = {
     "bytes",
     "gbs",
     "pct_copy",
+    "pct_clone",
     "max_abs_error",
     "tolerance",
     "correct",
@@ -82,12 +83,38 @@ def test_json_report(tmp_path: Path) -> None:
     # Every implementation is checked against the float64 reference before it is timed.
     assert all(r["correct"] for r in saved["results"]), [(r["impl"], r["max_abs_error"]) for r in saved["results"]]
     assert {"HF eager", "seed complex"} <= {r["impl"] for r in saved["results"]}
+    assert saved["clone_gbs"] > 0
+    decode = {r["impl"]: r for r in saved["decode"]}
+    assert set(decode) == {"ropelib RotaryEmbedding", "ropelib rotary_qk", "HF apply_rotary_pos_emb"}
+    assert decode["HF apply_rotary_pos_emb"]["ratio_to_hf"] == 1.0
+    steps = saved["model_step"]
+    assert [r["impl"] for r in steps] == ["tiny Llama, unpatched", "tiny Llama, patched"]
+    assert all(r["same_tokens"] and r["ms_per_token"] > 0 for r in steps)
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--impls", "nonexistent"], "invalid choice"),
+        (["--device", "meta"], "--device must be cpu or cuda"),
+        (["--device", "nonsense"], "--device must name a torch device"),
+        (["--shapes", "0,4,2,1,8"], "positive sizes"),
+        (["--reps", "0"], "--reps must be >= 1"),
+        (["--json", "/nonexistent-folder/out.json"], "does not exist or is not writable"),
+    ],
+)
+def test_bad_arguments_fail_before_any_work(argv: list[str], message: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr()
+    assert message in err.err and "copy bandwidth" not in err.out
 
 
 def test_command_line(tmp_path: Path) -> None:
-    # The module entry point restarts itself with OMP_WAIT_POLICY=PASSIVE and records it.
+    # The module entry point records the environment it was started with (and never restarts itself).
     path = tmp_path / "cli.json"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {**os.environ, "OMP_WAIT_POLICY": "PASSIVE"}
     proc = subprocess.run(
         [
             sys.executable,
@@ -104,6 +131,7 @@ def test_command_line(tmp_path: Path) -> None:
             "--warmup",
             "0",
             "--no-compile",
+            "--no-decode",
             "--quiet",
             "--json",
             str(path),

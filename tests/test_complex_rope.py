@@ -15,8 +15,9 @@ import math
 import pytest
 import torch
 
-from conftest import EPS, inverse_frequencies_ref, rotate_ref
 from ropelib import RotaryEmbedding, apply_rotary_emb, precompute_pos_cis
+
+from references import EPS, inverse_frequencies_ref, rotate_ref
 
 U32 = 2.0**-24  # unit roundoff of float32 (half its eps)
 

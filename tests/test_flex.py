@@ -12,16 +12,16 @@ import math
 import pytest
 import torch
 
-from conftest import attention_ref
 from ropelib import T5RelativeBias, t5_relative_bucket
-from ropelib.bias_attention import (
+from ropelib.bench.bias import benchmark_bias, bias_setups
+from ropelib.encodings.flex import (
     alibi_score_mod,
-    benchmark_bias,
-    bias_setups,
     flex_bias_attention,
     materialized_bias_attention,
     t5_score_mod,
 )
+
+from references import attention_ref
 
 HEADS, SEQ, DIM = 4, 12, 8
 # float32 attention against float64: scores of 8-term dot products and a 12-term softmax; errors

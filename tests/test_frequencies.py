@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from ropelib import RotaryEmbedding, cos_sin_table, rope_frequencies
-from ropelib.frequencies import inverse_frequencies64
+from ropelib.scaling import inverse_frequencies64
 
 BOUND = 1e-6  # the bound on |table - float64 reference|
 LAST = 1 << 20

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import ropelib
-from ropelib.__main__ import BACKEND_NAMES, check_backends, main
+from ropelib.__main__ import RUN_PATHS, check_paths, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +35,7 @@ def test_module_entry_point_prints_version_device_and_backends() -> None:
     assert f"torch {torch.__version__}" in lines[1]
     device = "cuda" if torch.cuda.is_available() else "cpu"
     assert lines[2].startswith(f"device: {device} (")
-    assert lines[3] == "backends:"
+    assert lines[3] == "ways to run the rotation:"
     names = [line.split()[0] for line in lines[4:]]
     assert names == ["torch", "triton", "compile"]
     assert lines[4].split()[1] == "usable"  # the PyTorch path runs everywhere
@@ -50,7 +50,7 @@ def test_version_flag(capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_running_torch_and_triton_backends_matches_reference() -> None:
     # torch always runs; triton runs compiled on CUDA, in the interpreter elsewhere (TRITON_INTERPRET=1).
-    statuses = check_backends(["torch", "triton"], run=True)
+    statuses = check_paths(["torch", "triton"], run=True)
     assert [s.name for s in statuses] == ["torch", "triton"]
     assert statuses[0].usable and "matches the reference" in statuses[0].detail
     if statuses[1].usable:
@@ -64,11 +64,11 @@ def test_a_broken_backend_is_reported_unusable(monkeypatch: pytest.MonkeyPatch) 
         raise RuntimeError("no kernel image")
 
     monkeypatch.setattr(ropelib.kernels, "rotary_qk", broken)
-    (status,) = check_backends(["torch"], run=True)
+    (status,) = check_paths(["torch"], run=True)
     assert not status.usable and "RuntimeError: no kernel image" in status.detail
 
 
 def test_unknown_backend_name() -> None:
     with pytest.raises(ValueError, match="names must be drawn from"):
-        check_backends(["cuda"])
-    assert BACKEND_NAMES == ("torch", "triton", "compile")
+        check_paths(["cuda"])
+    assert RUN_PATHS == ("torch", "triton", "compile")

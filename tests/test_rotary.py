@@ -13,7 +13,6 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from conftest import EPS, inverse_frequencies_ref, rotate_ref, rotation_matrix_ref
 from ropelib import (
     RotaryEmbedding,
     apply_rotary,
@@ -23,6 +22,8 @@ from ropelib import (
     rope_frequencies,
     rotate_half,
 )
+
+from references import EPS, inverse_frequencies_ref, rotate_ref, rotation_matrix_ref
 
 LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
 # float64 vs float64 reference: both evaluate a handful of products and one cos/sin per pair;

@@ -17,7 +17,8 @@ from hypothesis import strategies as st
 
 import ropelib
 from ropelib import RotaryEmbedding, rope_frequencies
-from ropelib.scaling import ROPE_SCALINGS, frequency_seq_len, rope_config, scaled_inverse_frequencies
+from ropelib.config import rope_config
+from ropelib.scaling import ROPE_SCALINGS, frequency_seq_len, scaled_inverse_frequencies
 
 REL = 1e-12  # float64 vs float64, same formula evaluated differently: a few ulps
 

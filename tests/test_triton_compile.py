@@ -25,7 +25,7 @@ import json, re, sys
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
-from ropelib.kernels.triton_rope import rotary_qk_kernel as fn
+from ropelib.kernels.triton_kernel import rotary_qk_kernel as fn
 
 POINTERS = {"Q": "*{t}", "K": "*{t}", "Q_OUT": "*{t}", "K_OUT": "*{t}", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64"}
 # What Triton's launcher specializes at run time for contiguous tensors whose sizes are multiples
@@ -79,7 +79,7 @@ CASES = [
 
 @pytest.fixture(scope="module")
 def compiled() -> list[dict]:
-    env = {**os.environ, "TRITON_INTERPRET": "0"}  # ropelib keeps an explicit 0 (it only sets a default)
+    env = {**os.environ, "TRITON_INTERPRET": "0"}  # an explicit 0 makes ropelib define GPU kernels
     proc = subprocess.run(
         [sys.executable, "-c", SCRIPT, json.dumps(CASES)],
         cwd=ROOT,

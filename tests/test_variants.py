@@ -15,7 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropelib.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
+from ropelib.encodings.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
 
 ATOL = 1e-10
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from ._validation import check_even, check_float_tensor, check_int, check_positions, check_positive_float
+from .._validation import check_even, check_float_tensor, check_int, check_positions, check_positive_float
 
 
 def _sinusoid_angles(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
@@ -120,10 +120,15 @@ class SinusoidalPositionalEncoding(nn.Module):
         x = check_float_tensor(x, "x", ndim=3)
         if x.shape[-1] != self.dim:
             raise ValueError(f"x must have last dimension {self.dim}, got shape {tuple(x.shape)}")
+        if positions is not None:
+            positions = check_positions(positions, "positions", batch=x.shape[0], seq_len=x.shape[1]).to(x.device)
+        return self.add(x, positions)
+
+    def add(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` without argument checks (int64 ``positions`` on ``x``'s device, or None)."""
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
-        positions = check_positions(positions, "positions", batch=x.shape[0], seq_len=x.shape[1])
-        return x + (self.scale * self.encoding(positions.to(x.device))).to(x.dtype)
+        return x + (self.scale * self.encoding(positions)).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"dim={self.dim}, base={self.base}, scale={self.scale}"
@@ -154,10 +159,16 @@ class LearnedPositionalEmbedding(nn.Module):
         if positions is None:
             if x.shape[1] > self.num_positions:
                 raise ValueError(f"x has {x.shape[1]} positions but the learned table has only {self.num_positions}")
-            positions = torch.arange(x.shape[1], device=x.device)
-        positions = check_positions(
-            positions, "positions", batch=x.shape[0], seq_len=x.shape[1], limit=self.num_positions
-        )
+        else:
+            positions = check_positions(
+                positions, "positions", batch=x.shape[0], seq_len=x.shape[1], limit=self.num_positions
+            )
+        return self.add(x, positions)
+
+    def add(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
+        """:meth:`forward` without argument checks (int64 ``positions`` in range, or None for ``0 .. seq-1``)."""
+        if positions is None:
+            return x + self.weight[: x.shape[1]].to(x.dtype)
         return x + self.weight[positions.to(self.weight.device)].to(x.dtype)
 
     def extra_repr(self) -> str:

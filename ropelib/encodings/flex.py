@@ -1,4 +1,4 @@
-r"""Relative-bias attention two ways: a materialized ``n x n`` bias, or a ``score_mod`` with no ``n x n`` tensor.
+r"""Relative biases as ``flex_attention`` score modifications, beside the materialized ``n x n`` bias.
 
 ALiBi (Press et al., 2022) and T5 (Raffel et al., 2020) add a bias ``b_ij`` that depends on
 ``j - i`` (and the head) to the attention scores,
@@ -19,18 +19,16 @@ checking, not for speed). Tensors here are ``[batch, heads, seq, head_dim]``, as
 
 from __future__ import annotations
 
-import statistics
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
-from ._validation import check_choice, check_float_tensor
-from .relative import T5RelativeBias, alibi_bias, alibi_slopes, relative_positions, t5_relative_bucket
+from .._validation import check_float_tensor
+from .relative import T5RelativeBias, t5_relative_bucket
 
-BIASES = ("alibi", "t5")
 ScoreMod = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -108,78 +106,3 @@ def flex_bias_attention(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, score_mod=score_mod)
-
-
-def bias_setups(
-    kind: str, heads: int, seq_len: int, device: torch.device
-) -> tuple[Callable[[], torch.Tensor], ScoreMod]:
-    """A function building the materialized ``[heads, n, n]`` bias, and the equivalent ``score_mod``.
-
-    ``kind`` is ``"alibi"`` or ``"t5"``; T5's weights are drawn with a fixed seed (in a model they
-    are learned), without disturbing the global random state.
-    """
-    kind = check_choice(kind, "kind", BIASES)
-    if kind == "alibi":
-        return (lambda: alibi_bias(heads, seq_len, device=device)), alibi_score_mod(alibi_slopes(heads).to(device))
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(0)
-        module = T5RelativeBias(heads).to(device).requires_grad_(False)
-    return (lambda: module(relative_positions(seq_len, device=device))), t5_score_mod(module, seq_len)
-
-
-def benchmark_bias(
-    device: torch.device,
-    *,
-    shape: Sequence[int] | None = None,
-    kinds: Sequence[str] = BIASES,
-    reps: int = 5,
-    warmup: int = 2,
-    compiled: bool = True,
-) -> list[dict[str, Any]]:
-    """Time materialized-bias SDPA against ``flex_attention`` with the harness of :mod:`ropelib.bench`.
-
-    Args:
-        device: where to run.
-        shape: ``(batch, heads, seq, head_dim)``; default ``(1, 8, 1024, 64)`` on CPU, ``(4, 16, 4096, 64)`` on CUDA.
-        kinds: which biases.
-        reps, warmup: timed and untimed rounds (compilation happens in warm-up).
-        compiled: use the compiled ``flex_attention`` (see :func:`flex_bias_attention`).
-
-    Returns:
-        One dict per (bias, method): ``bias``, ``method``, ``shape``, ``median_ms``, ``times_ms``,
-        ``bias_bytes`` (the ``n x n`` tensor's size, 0 for flex) and ``max_abs_diff`` (flex vs materialized).
-        Materialized times include building the bias, which is what a model without a cache does.
-    """
-    from .bench import time_interleaved
-
-    batch, heads, seq, dim = shape or ((4, 16, 4096, 64) if device.type == "cuda" else (1, 8, 1024, 64))
-    gen = torch.Generator(device="cpu").manual_seed(0)
-    q, k, v = (torch.randn(batch, heads, seq, dim, generator=gen).to(device) for _ in range(3))
-    rows = []
-    for kind in kinds:
-        build_bias, score_mod = bias_setups(kind, heads, seq, device)
-
-        def materialized(build_bias=build_bias):
-            return materialized_bias_attention(q, k, v, build_bias())
-
-        def flex(score_mod=score_mod):
-            return flex_bias_attention(q, k, v, score_mod, compiled=compiled)
-
-        with torch.no_grad():
-            diff = (materialized() - flex()).abs().max().item()
-            times = time_interleaved(
-                {"materialized": materialized, "flex_attention": flex}, device, reps=reps, warmup=warmup
-            )
-        for method, values in times.items():
-            rows.append(
-                {
-                    "bias": kind,
-                    "method": method,
-                    "shape": [batch, heads, seq, dim],
-                    "median_ms": 1e3 * statistics.median(values),
-                    "times_ms": [1e3 * t for t in values],
-                    "bias_bytes": heads * seq * seq * 4 if method == "materialized" else 0,
-                    "max_abs_diff": diff,
-                }
-            )
-    return rows

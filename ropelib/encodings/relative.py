@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from ._validation import check_float_tensor, check_int
+from .._validation import check_float_tensor, check_int
 
 # ----------------------------------------------------------------------------- distances
 
@@ -107,15 +107,32 @@ def t5_relative_bucket(
     if max_distance <= max_exact:
         raise ValueError(f"max_distance must be > {max_exact} (the exact range), got {max_distance}")
 
-    distance = -relative_position  # how far back the key is
-    offset = torch.zeros_like(distance)
+    return bucket_of(relative_position, bidirectional, num_buckets, max_distance)
+
+
+def bucket_of(
+    relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
+) -> torch.Tensor:
+    """:func:`t5_relative_bucket` without argument checks (int64 ``relative_position``, valid settings).
+
+    The arithmetic is T5's own (``transformers``' ``_relative_position_bucket``): the log ratio in
+    float32 and truncated, so that buckets agree with T5 at their exact boundaries too, where a
+    float64 logarithm can land on the other side of an integer. Distances are first clipped to
+    ``max_distance`` (they share the last bucket either way), so no absolute value overflows.
+    """
+    relative_position = relative_position.clamp(-max_distance, max_distance)
+    buckets = num_buckets
+    offset = torch.zeros_like(relative_position)
     if bidirectional:
-        offset = (distance < 0).long() * buckets
-        distance = distance.abs()
+        buckets //= 2
+        offset = (relative_position > 0).long() * buckets
+        distance = relative_position.abs()
     else:
-        distance = distance.clamp(min=0)
-    log_ratio = torch.log(distance.clamp(min=1).double() / max_exact) / math.log(max_distance / max_exact)
-    large = max_exact + (log_ratio * (buckets - max_exact)).long()
+        distance = -torch.clamp(relative_position, max=0)
+    max_exact = buckets // 2
+    large = max_exact + (
+        torch.log(distance.float() / max_exact) / math.log(max_distance / max_exact) * (buckets - max_exact)
+    ).to(torch.long)
     large = large.clamp(max=buckets - 1)
     return offset + torch.where(distance < max_exact, distance, large)
 
@@ -145,8 +162,11 @@ class T5RelativeBias(nn.Module):
         nn.init.normal_(self.weight, std=0.02)
 
     def forward(self, relative_position: torch.Tensor) -> torch.Tensor:
-        relative_position = _check_relative(relative_position, ndim_at_least=2)
-        buckets = t5_relative_bucket(
+        return self.bias(_check_relative(relative_position, ndim_at_least=2))
+
+    def bias(self, relative_position: torch.Tensor) -> torch.Tensor:
+        """:meth:`forward` without argument checks (int64 ``relative_position``)."""
+        buckets = bucket_of(
             relative_position.to(self.weight.device), self.bidirectional, self.num_buckets, self.max_distance
         )
         return self.weight[buckets].movedim(-1, -3)

@@ -7,20 +7,24 @@ only through the difference: for xPos ``m - n`` along a sequence, for axial RoPE
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import nn
 
-from ._validation import check_choice, check_even, check_float_tensor, check_int, check_positions, check_positive_float
-from .frequencies import cos_sin_table, default_inverse_frequencies
-from .rotary import LAYOUTS, RotaryEmbedding, apply_rotary
-
-
-def _pair_features(per_pair: torch.Tensor, layout: str) -> torch.Tensor:
-    """``[..., r/2]`` per-pair values -> ``[..., r]`` per-feature values (both features of a pair alike)."""
-    if layout == "half":
-        return torch.cat((per_pair, per_pair), dim=-1)
-    return per_pair.repeat_interleave(2, dim=-1)
-
+from .._validation import (
+    check_choice,
+    check_even,
+    check_int,
+    check_position_range,
+    check_positions,
+    check_positive_float,
+    check_qk,
+)
+from ..frequencies import cos_sin_table, default_inverse_frequencies
+from ..layouts import LAYOUTS, pair_features
+from ..reference import rotate
+from ..rotary import RotaryEmbedding
 
 # ----------------------------------------------------------------------------- xPos
 
@@ -86,23 +90,43 @@ class XPos(nn.Module):
         self.scale_base = check_positive_float(scale_base, "scale_base")
         self.layout = layout
         self._rates64 = xpos_decay_rates(head_dim, self.gamma)
+        self._fastest_log_rate = math.log(float(self._rates64[0]))  # ln zeta_0 < 0, read once here
 
-    def scales(self, positions: torch.Tensor, center: int = 0) -> torch.Tensor:
+    def scales(self, positions: torch.Tensor, center: int | torch.Tensor = 0) -> torch.Tensor:
         """``zeta_i^{(p - center)/B}`` in float64, shape ``positions.shape + (head_dim/2,)``."""
         exponent = (positions.to(torch.float64) - center)[..., None] / self.scale_base
         return self._rates64.to(positions.device) ** exponent
+
+    def max_offset(self, dtype: torch.dtype) -> int:
+        """The largest ``|p - center|`` whose scale, and its inverse, stay below the square root of ``dtype``'s range.
+
+        The fastest pair decays by ``zeta_0`` per ``B`` positions, so the scale at offset ``t`` is
+        ``zeta_0^{-t/B}``; keeping it below ``sqrt(max)`` leaves room for the query's own magnitude.
+        """
+        log_max = math.log(torch.finfo(dtype).max)
+        return int(0.5 * log_max / -self._fastest_log_rate * self.scale_base)
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None, center: int | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         positions = self.rope.check_qk(q, k, positions)
-        if center is None:
-            center = (int(positions.min()) + int(positions.max())) // 2 if positions.numel() else 0
+        if positions is None:
+            positions = torch.arange(q.shape[1], device=q.device)
+        middle: int | torch.Tensor
+        if center is not None:
+            middle = check_int(center, "center")
+        elif positions.numel():
+            middle = (positions.min() + positions.max()) // 2  # a tensor: no host round trip
         else:
-            center = check_int(center, "center")
-        q_rot, k_rot = self.rope(q, k, positions)
+            middle = 0
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        scale = _pair_features(self.scales(positions, center), self.layout).unsqueeze(-2)  # [.., seq, 1, d]
+        reach = self.max_offset(compute)
+        check_position_range(
+            positions - middle, f"positions - center (|offset| <= {reach} keeps xPos finite in {compute})",
+            minimum=-reach, limit=reach + 1,
+        )  # fmt: skip
+        q_rot, k_rot = self.rope.rotate(q, k, positions)
+        scale = pair_features(self.scales(positions, middle), self.layout).unsqueeze(-2)  # [.., seq, 1, d]
         q_out = q_rot.to(compute) * scale.to(compute)
         k_out = k_rot.to(compute) / scale.to(compute)
         return q_out.to(q.dtype), k_out.to(k.dtype)
@@ -172,13 +196,7 @@ class AxialRotaryEmbedding(nn.Module):
         return torch.cat((cos_r, cos_c), dim=-1), torch.cat((sin_r, sin_c), dim=-1)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        q = check_float_tensor(q, "q", ndim=4)
-        k = check_float_tensor(k, "k", ndim=4)
-        if q.shape[-1] != self.head_dim or k.shape[-1] != self.head_dim or q.shape[:2] != k.shape[:2]:
-            raise ValueError(
-                f"q and k must be [batch, seq, heads, {self.head_dim}] with the same batch and seq, "
-                f"got {tuple(q.shape)} and {tuple(k.shape)}"
-            )
+        check_qk(q, k, head_dim=self.head_dim)
         if not isinstance(positions, torch.Tensor) or positions.ndim not in (2, 3) or positions.shape[-1] != 2:
             shape = tuple(positions.shape) if isinstance(positions, torch.Tensor) else type(positions).__name__
             raise ValueError(
@@ -188,7 +206,7 @@ class AxialRotaryEmbedding(nn.Module):
             check_positions(positions[..., axis], "positions", batch=q.shape[0], seq_len=q.shape[1])
         positions = positions.long().to(q.device)
         cos, sin = self.cos_sin(positions, torch.float64 if q.dtype == torch.float64 else torch.float32)
-        return apply_rotary(q, cos, sin, layout=self.layout), apply_rotary(k, cos, sin, layout=self.layout)
+        return rotate(q, cos, sin, self.layout), rotate(k, cos, sin, self.layout)
 
     def extra_repr(self) -> str:
         return f"head_dim={self.head_dim}, theta={self.theta}, layout={self.layout!r}"

@@ -1,7 +1,6 @@
 """Adapters that put ropelib's RoPE inside other libraries' models.
 
-:mod:`ropelib.integrations.huggingface` patches Hugging Face ``transformers`` models of the
-Llama family (Llama, Qwen2, Mistral and the others that share their rotary code). It does not
+:mod:`ropelib.integrations.huggingface` patches Hugging Face ``transformers`` models. It does not
 import ``transformers`` itself: it only reads the model's modules and config, so importing
 ropelib stays cheap when the optional ``hf`` extra is not installed.
 """

@@ -1,10 +1,10 @@
-"""Fast RoPE: a fused Triton kernel for q and k, a memory-frugal PyTorch path, and the operator over both.
+"""Fast RoPE: the kernels (a fused Triton kernel for q and k, a memory-frugal PyTorch path) and the operator over them.
 
-:func:`rotary_qk` is the entry point; :class:`ropelib.RotaryEmbedding` calls it for its
-``backend`` (``"auto"``, ``"torch"`` or ``"triton"``). The Triton module is imported only when
-the Triton kernel is used, so the PyTorch path works without Triton installed.
+:func:`rotary_qk` is the public entry point; :func:`~ropelib.kernels.ops.rotate_qk` is the same
+rotation without argument checks, for modules that validated their input already (as
+:class:`ropelib.RotaryEmbedding` does). :data:`KERNELS` maps each kernel's name to its launcher.
 """
 
-from .ops import KERNELS, choose_kernel, rotary_qk
+from .ops import BACKENDS, KERNELS, choose_kernel, rotary_qk, rotate_qk
 
-__all__ = ["KERNELS", "choose_kernel", "rotary_qk"]
+__all__ = ["BACKENDS", "KERNELS", "choose_kernel", "rotary_qk", "rotate_qk"]

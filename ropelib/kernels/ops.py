@@ -1,67 +1,79 @@
-r"""The fused rotation as a PyTorch operator: validation, backend choice, autograd, torch.compile.
+r"""The fused rotation as a PyTorch operator: the kernel registry, autograd, torch.compile, and the lean eager path.
 
 :func:`rotary_qk` rotates ``q`` and ``k`` by the angles of their positions in one call. The
-work is done by one of two kernels behind the custom operators ``ropelib::rotary_qk`` (out of
-place, differentiable) and ``ropelib::rotary_qk_`` (in place):
+work is done by one of the kernels of :data:`KERNELS` (``name -> launcher``):
 
-* ``"triton"``: :mod:`ropelib.kernels.triton_rope` (one launch for q and k; on a machine without
-  CUDA it runs in Triton's interpreter: correct but slow, for tests);
-* ``"torch"``: :mod:`ropelib.kernels.cpu_rope` (a complex multiply or three ``out=`` operations
-  per block of tokens; any device).
+* ``"torch"``: :mod:`ropelib.kernels.torch_kernel` (a complex multiply or three ``out=`` operations
+  per block of tokens; any device);
+* ``"triton"``: :mod:`ropelib.kernels.triton_kernel` (one launch for q and k; imported on first use,
+  so the PyTorch path works without Triton installed; on a machine without CUDA it runs in
+  Triton's interpreter: correct but slow, for tests).
 
-Both are registered with :func:`torch.library.custom_op`, with a fake (shape-only) function so
-that :func:`torch.compile` traces through them without a graph break, and with a backward
-that is the same operator with the angle negated: ``dL/dx = R(-theta) dL/dy`` because a rotation's
-transpose is its inverse.
+A backend is what a caller asks for: ``"auto"`` or one of the kernel names (:data:`BACKENDS`);
+:func:`choose_kernel` resolves ``"auto"`` for a device.
+
+Where the call needs them, the kernels run behind the custom operators ``ropelib::rotary_qk``
+(out of place, differentiable) and ``ropelib::rotary_qk_`` (in place), registered with
+:func:`torch.library.custom_op` and a fake (shape-only) function so that :func:`torch.compile`
+traces through them without a graph break, and with a backward that is the same operator with the
+angle negated: ``dL/dx = R(-theta) dL/dy`` because a rotation's transpose is its inverse. In eager
+mode with no gradient to record, the launcher is called directly: the operator's dispatch costs
+more than the rotation itself at decoding shapes.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._validation import check_choice, check_float_tensor, check_positions
-from .cpu_rope import rotate_qk_torch
+from .._validation import check_bool, check_choice, check_float_tensor, check_positions, check_qk
+from ..layouts import LAYOUTS
+from .torch_kernel import rotate_qk_torch
 
-KERNELS = ("auto", "torch", "triton")
-LAYOUTS = ("half", "interleaved")
+#: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
+#: of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``). ``cos``/``sin`` are contiguous
+#: ``[L, r/2]`` tables, ``positions`` int64 ``[B, S]`` rows of them; no validation inside.
+Launcher = Callable[..., None]
 
 
-def choose_kernel(kernel: str, device: torch.device) -> str:
-    """The kernel ``"auto"`` stands for on ``device``: Triton on CUDA, the PyTorch path elsewhere.
+def _launch_triton(*args: Any, **kwargs: Any) -> None:
+    from .triton_kernel import launch_rotary_qk
+
+    launch_rotary_qk(*args, **kwargs)
+
+
+#: The kernels, ``name -> launcher``. Adding a kernel is one entry here.
+KERNELS: dict[str, Launcher] = {"torch": rotate_qk_torch, "triton": _launch_triton}
+#: What callers may ask for: ``"auto"`` (see :func:`choose_kernel`) or a kernel name.
+BACKENDS = ("auto", *KERNELS)
+
+
+def choose_kernel(kernel: str, device: torch.device | str) -> str:
+    """The kernel ``kernel`` stands for on ``device``: ``"auto"`` is Triton on CUDA, the PyTorch path elsewhere.
 
     On CPU the Triton kernel only runs in the interpreter, thousands of times slower than the
     PyTorch path, so ``"auto"`` never picks it there.
 
     Example:
-        >>> choose_kernel("auto", torch.device("cpu"))
+        >>> choose_kernel("auto", "cpu")
         'torch'
     """
-    kernel = check_choice(kernel, "kernel", KERNELS)
+    kernel = check_choice(kernel, "kernel", BACKENDS)
+    if isinstance(device, str):
+        try:
+            device = torch.device(device)
+        except RuntimeError as error:
+            raise ValueError(f"device must name a torch device, got {device!r}") from error
+    if not isinstance(device, torch.device):
+        raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
     if kernel != "auto":
         return kernel
     return "triton" if device.type == "cuda" else "torch"
 
 
-def _launch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    conjugate: bool,
-    use_triton: bool,
-) -> None:
-    if use_triton:
-        from .triton_rope import launch_rotary_qk
-
-        launch_rotary_qk(q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
-    else:
-        rotate_qk_torch(q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
+# ----------------------------------------------------------------------------- custom operators
 
 
 @torch.library.custom_op("ropelib::rotary_qk", mutates_args=())
@@ -73,23 +85,23 @@ def _rotary_qk_op(
     positions: torch.Tensor,
     interleaved: bool,
     conjugate: bool,
-    use_triton: bool,
+    kernel: str,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    _launch(q, k, q_out, k_out, cos, sin, positions, interleaved, conjugate, use_triton)
+    KERNELS[kernel](q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
     return q_out, k_out
 
 
 @_rotary_qk_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, conjugate, use_triton):
+def _(q, k, cos, sin, positions, interleaved, conjugate, kernel):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, cos, sin, positions, interleaved, conjugate, use_triton = inputs
+    _, _, cos, sin, positions, interleaved, conjugate, kernel = inputs
     ctx.save_for_backward(cos, sin, positions)
-    ctx.flags = (interleaved, conjugate, use_triton)
+    ctx.flags = (interleaved, conjugate, kernel)
 
 
 def _unit_stride(g: torch.Tensor) -> torch.Tensor:
@@ -98,9 +110,9 @@ def _unit_stride(g: torch.Tensor) -> torch.Tensor:
 
 def _backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     cos, sin, positions = ctx.saved_tensors
-    interleaved, conjugate, use_triton = ctx.flags
+    interleaved, conjugate, kernel = ctx.flags
     grad_q, grad_k = _unit_stride(grad_q), _unit_stride(grad_k)
-    dq, dk = _rotary_qk_op(grad_q, grad_k, cos, sin, positions, interleaved, not conjugate, use_triton)
+    dq, dk = _rotary_qk_op(grad_q, grad_k, cos, sin, positions, interleaved, not conjugate, kernel)
     return dq, dk, None, None, None, None, None, None
 
 
@@ -116,19 +128,58 @@ def _rotary_qk_inplace_op(
     positions: torch.Tensor,
     interleaved: bool,
     conjugate: bool,
-    use_triton: bool,
+    kernel: str,
 ) -> None:
-    _launch(q, k, q, k, cos, sin, positions, interleaved, conjugate, use_triton)
+    KERNELS[kernel](q, k, q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
 
 
 @_rotary_qk_inplace_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, conjugate, use_triton):
+def _(q, k, cos, sin, positions, interleaved, conjugate, kernel):
     return None
 
 
-def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor) -> None:
-    check_float_tensor(cos, "cos", ndim=2)
-    check_float_tensor(sin, "sin", ndim=2)
+# ----------------------------------------------------------------------------- the unchecked entry
+
+
+def rotate_qk(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+    conjugate: bool = False,
+    kernel: str,
+    inplace: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rotation behind :func:`rotary_qk`, for callers that have validated their arguments.
+
+    ``q``/``k`` ``[B, S, H, D]`` with unit stride on ``D``; ``cos``/``sin`` contiguous ``[L, r/2]`` in the
+    compute dtype; ``positions`` int64, ``[B, S]`` (a broadcast view is fine), all in ``[0, L)``;
+    ``kernel`` a key of :data:`KERNELS`. Eager calls that record no gradient go straight to the
+    launcher; the others (autograd, :func:`torch.compile`) through the custom operators.
+    """
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
+    if not needs_grad and not torch.compiler.is_compiling():
+        if inplace:
+            q_out, k_out = q, k
+        else:
+            q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+        KERNELS[kernel](q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
+        return q_out, k_out
+    if inplace:
+        _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel)
+        return q, k
+    return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel)
+
+
+# ----------------------------------------------------------------------------- the public door
+
+
+def _check_tables(cos: object, sin: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    cos = check_float_tensor(cos, "cos", ndim=2)
+    sin = check_float_tensor(sin, "sin", ndim=2)
     if cos.shape != sin.shape:
         raise ValueError(
             f"cos and sin must have the same shape [table_len, r/2], got {tuple(cos.shape)} and {tuple(sin.shape)}"
@@ -136,7 +187,7 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor) -> None
     wanted = torch.float64 if q.dtype == torch.float64 else torch.float32
     if cos.dtype != wanted or sin.dtype != wanted:
         raise TypeError(
-            f"cos and sin must be {wanted} for {q.dtype} inputs (the math runs in their dtype), got {cos.dtype}"
+            f"cos and sin must be {wanted} for {q.dtype} inputs (the math runs in their dtype), got {cos.dtype} and {sin.dtype}"
         )
     if cos.shape[0] == 0 or cos.shape[1] == 0:
         raise ValueError(f"cos and sin must be non-empty [table_len, r/2] tables, got {tuple(cos.shape)}")
@@ -146,33 +197,36 @@ def _check_tables(cos: torch.Tensor, sin: torch.Tensor, q: torch.Tensor) -> None
         raise ValueError(f"cos and sin must be on q's device {q.device}, got {cos.device} and {sin.device}")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("cos and sin must not require grad: gradients flow to q and k only")
+    return cos.contiguous(), sin.contiguous()  # the kernels read rows of unit stride
 
 
-def _check_qk(q: torch.Tensor, k: torch.Tensor) -> None:
-    check_float_tensor(q, "q", ndim=4)
-    check_float_tensor(k, "k", ndim=4)
-    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
-        raise ValueError(f"q and k must share batch, seq and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
-    if q.dtype != k.dtype or q.device != k.device:
-        raise ValueError(f"q and k must share dtype and device, got {q.dtype}/{q.device} and {k.dtype}/{k.device}")
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """True when ``a`` and ``b`` may share memory (the same storage and intersecting byte ranges)."""
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+        return False
+
+    def span(t: torch.Tensor) -> tuple[int, int]:
+        start = int(t.storage_offset()) * t.element_size()
+        extent = sum(int(size - 1) * int(stride) for size, stride in zip(t.shape, t.stride()) if size > 0)
+        return start, start + (extent + 1) * t.element_size()
+
+    (a0, a1), (b0, b1) = span(a), span(b)
+    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
 
 
-def _check_position_arg(positions: torch.Tensor | None, q: torch.Tensor, table_len: int) -> torch.Tensor:
-    """int64 ``[batch, seq]`` positions (a broadcast view when given as ``[seq]`` or left out)."""
-    batch, seq = q.shape[:2]
-    if positions is None:
-        if seq > table_len:
-            raise ValueError(f"the table has {table_len} rows but seq_len is {seq}; pass a longer cos/sin table")
-        positions = torch.arange(seq, device=q.device)
-    elif torch.compiler.is_compiling():  # data-dependent range checks would break the graph; the kernels clamp
-        if positions.dtype.is_floating_point or positions.dtype == torch.bool or positions.ndim not in (1, 2):
-            raise TypeError(
-                f"positions must be an integer tensor [seq] or [batch, seq], got {positions.dtype} {tuple(positions.shape)}"
+def _check_inplace(q: torch.Tensor, k: torch.Tensor) -> None:
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
+        raise ValueError("inplace=True does not support autograd; use inplace=False for tensors that require grad")
+    for name, x in (("q", q), ("k", k)):
+        if x.stride(-1) != 1:
+            raise ValueError(f"inplace=True needs {name} with unit stride on head_dim, got strides {x.stride()}")
+        if torch._debug_has_internal_overlap(x) != 0:
+            raise ValueError(
+                f"inplace=True needs {name} whose elements do not share memory (it is expanded or overlapping, "
+                f"strides {x.stride()}); pass {name}.contiguous() or use inplace=False"
             )
-        positions = positions.long().to(q.device)
-    else:
-        positions = check_positions(positions, "positions", batch=batch, seq_len=seq, limit=table_len).to(q.device)
-    return positions.expand(batch, seq)
+    if not torch.compiler.is_compiling() and _overlap(q, k):
+        raise ValueError("inplace=True needs q and k in separate memory (they overlap, so it would be rotated twice)")
 
 
 def rotary_qk(
@@ -197,12 +251,13 @@ def rotary_qk(
         q: ``[batch, seq, q_heads, head_dim]``, float16, bfloat16, float32 or float64.
         k: ``[batch, seq, kv_heads, head_dim]`` (``kv_heads`` may differ from ``q_heads``: GQA/MQA).
         cos, sin: the ``[table_len, r/2]`` tables of :meth:`ropelib.RotaryEmbedding.cos_sin_cache`
-            (float32; float64 for float64 inputs). The math runs in this dtype.
-        positions: integers in ``[0, table_len)``, shape ``[seq]`` or ``[batch, seq]``
-            (default ``0 .. seq-1``). Under :func:`torch.compile` their range is not checked (the
-            kernels clamp them into the table instead of reading out of bounds).
+            (float32; float64 for float64 inputs). The math runs in this dtype. Tables that are not
+            contiguous are copied first.
+        positions: integers in ``[0, table_len)``, shape ``[seq]``, ``[1, seq]`` or ``[batch, seq]``
+            (default ``0 .. seq-1``). Out-of-range values raise (see :mod:`ropelib._validation`:
+            a :class:`ValueError` on the CPU, a device-side assertion on a GPU or under compile).
         layout: ``"half"`` (pairs ``(i, i + r/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
-        inplace: overwrite ``q`` and ``k`` (no autograd) and return them.
+        inplace: overwrite ``q`` and ``k`` (no autograd) and return them. They must not overlap.
         conjugate: rotate by ``-theta`` instead (what the backward pass does).
         kernel: ``"auto"`` (see :func:`choose_kernel`), ``"torch"`` or ``"triton"``.
 
@@ -219,22 +274,26 @@ def rotary_qk(
         >>> torch.allclose(q2, rope(q, q)[0], atol=1e-6), k2.shape
         (True, torch.Size([1, 4, 1, 8]))
     """
-    _check_qk(q, k)
-    _check_tables(cos, sin, q)
-    layout = check_choice(layout, "layout", LAYOUTS)
-    use_triton = choose_kernel(kernel, q.device) == "triton"
-    for name, flag in (("inplace", inplace), ("conjugate", conjugate)):
-        if not isinstance(flag, bool):
-            raise TypeError(f"{name} must be a bool, got {type(flag).__name__}")
-    positions = _check_position_arg(positions, q, cos.shape[0])
-    interleaved = layout == "interleaved"
+    check_qk(q, k)
+    cos, sin = _check_tables(cos, sin, q)
+    interleaved = check_choice(layout, "layout", LAYOUTS) == "interleaved"
+    kernel = choose_kernel(kernel, q.device)
+    check_bool(inplace, "inplace")
+    check_bool(conjugate, "conjugate")
+    batch, seq = q.shape[:2]
+    if positions is None:
+        if seq > cos.shape[0]:
+            raise ValueError(f"the table has {cos.shape[0]} rows but seq_len is {seq}; pass a longer cos/sin table")
+        positions = torch.arange(seq, device=q.device)
+    else:
+        positions = check_positions(positions, "positions", batch=batch, seq_len=seq, limit=cos.shape[0])
+        positions = positions.to(q.device)
     if inplace:
-        if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-            raise ValueError("inplace=True does not support autograd; use inplace=False for tensors that require grad")
-        if q.stride(-1) != 1 or k.stride(-1) != 1:
-            raise ValueError("inplace=True needs q and k with unit stride on head_dim")
-        _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, use_triton)
-        return q, k
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, use_triton)
+        _check_inplace(q, k)
+    else:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+    positions = positions.expand(batch, seq)
+    return rotate_qk(
+        q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, kernel=kernel, inplace=inplace
+    )

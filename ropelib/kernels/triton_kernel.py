@@ -18,18 +18,38 @@ The backward pass is the rotation by ``-theta`` (``R^T = R(-theta)``): the same 
 ``CONJUGATE`` set, which negates the sine. With ``rotary_dim < head_dim`` the remaining
 features are copied (not at all when writing in place).
 
-Import :mod:`ropelib` before this module: on a machine without CUDA it sets
-``TRITON_INTERPRET=1`` so that the kernel runs, slowly, on CPU tensors.
+On a machine without CUDA the kernels are defined for Triton's interpreter, so that they run,
+slowly, on CPU tensors (the tests do this). That choice is made here, when this module is first
+imported, and nowhere else: the kernels below are wrapped by Triton's ``InterpretedFunction`` instead
+of ``triton.jit`` (what ``triton.jit`` itself returns under ``TRITON_INTERPRET=1``), without
+changing the process environment or any other module's kernels. ``TRITON_INTERPRET=1`` or ``=0`` in the environment
+overrides it either way (``=0`` is how the ahead-of-time compile test builds GPU code on a CPU).
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 import triton
 import triton.language as tl
 
 
-@triton.jit
+def use_interpreter() -> bool:
+    """Whether the kernels run in Triton's interpreter: ``TRITON_INTERPRET`` if set, else when there is no CUDA."""
+    setting = os.environ.get("TRITON_INTERPRET")
+    if setting is not None:
+        return setting == "1"
+    return not torch.cuda.is_available()
+
+
+if use_interpreter():
+    from triton.runtime.interpreter import InterpretedFunction as jit
+else:
+    jit = triton.jit
+
+
+@jit
 def _rotate_head_block(  # type: ignore[no-untyped-def]
     X,
     OUT,
@@ -78,7 +98,7 @@ def _rotate_head_block(  # type: ignore[no-untyped-def]
         tl.store(OUT + heads[:, None] * stride_oh + rest[None, :], kept, mask=rest_mask)
 
 
-@triton.jit
+@jit
 def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,

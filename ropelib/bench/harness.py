@@ -1,0 +1,85 @@
+"""The timing harness: interleaved rounds in one process, and the memory roofs every result is compared with."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from .._validation import check_int
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued work on ``device`` (a no-op on CPU)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_interleaved(
+    fns: dict[str, Callable[[], Any]],
+    device: torch.device,
+    *,
+    reps: int = 5,
+    warmup: int = 2,
+    progress: Any = None,
+) -> dict[str, list[float]]:
+    """Seconds per call of each function, round-robin: round ``i`` runs every function once.
+
+    Warm-up rounds (compilation, allocator, caches) are run first and discarded. On CUDA each
+    call is bracketed by CUDA events; on CPU by ``time.perf_counter``.
+
+    Args:
+        fns: name -> zero-argument callable.
+        device: where the functions run.
+        reps: timed rounds (>= 1).
+        warmup: untimed rounds before.
+        progress: an object with ``update(n)`` (a tqdm bar), advanced once per call.
+
+    Returns:
+        name -> list of ``reps`` durations in seconds.
+    """
+    reps = check_int(reps, "reps", minimum=1)
+    warmup = check_int(warmup, "warmup", minimum=0)
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for round_index in range(warmup + reps):
+        for name, fn in fns.items():
+            if device.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                fn()
+                end.record()
+                end.synchronize()
+                elapsed = start.elapsed_time(end) / 1e3
+            else:
+                begin = time.perf_counter()
+                fn()
+                elapsed = time.perf_counter() - begin
+            if round_index >= warmup:
+                times[name].append(elapsed)
+            if progress is not None:
+                progress.update(1)
+    return times
+
+
+def copy_fn(nbytes: int, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A copy of ``nbytes`` into a preallocated buffer, and the bytes it moves (read + write).
+
+    A fresh ``clone()`` would mostly measure the page faults of new memory on a CPU, not bandwidth.
+    """
+    count = max(1, nbytes // 4)
+    src = torch.randn(count, device=device)
+    dst = torch.empty_like(src)
+    return (lambda: dst.copy_(src)), 2 * count * 4
+
+
+def clone_fn(nbytes: int, device: torch.device) -> tuple[Callable[[], Any], int]:
+    """A ``clone()`` of ``nbytes``: the out-of-place roof, and the bytes it moves (read + write).
+
+    Like every out-of-place rotation it writes a freshly allocated tensor, so on a CPU it pays the
+    same page faults of new memory; :func:`copy_fn` is the roof of an in-place rotation.
+    """
+    count = max(1, nbytes // 4)
+    src = torch.randn(count, device=device)
+    return (lambda: src.clone()), 2 * count * 4
