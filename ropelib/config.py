@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 from ._validation import check_int, check_positive_float
@@ -20,7 +20,7 @@ def _config_value(config: Mapping[str, Any], params: Mapping[str, Any], key: str
     return top if top is not None else inner
 
 
-def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
+def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -> dict[str, Any]:
     """The :class:`~ropelib.rotary.RotaryEmbedding` arguments of a model's ``config.json`` dict.
 
     Reads the keys Hugging Face configs use: ``head_dim`` (else ``hidden_size //
@@ -29,6 +29,9 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
     the scaling from ``rope_parameters`` (newer configs, which may also hold ``rope_theta`` and
     ``partial_rotary_factor``) or ``rope_scaling`` (older ones). A per-layer-type
     ``rope_parameters`` (one dict per attention kind) is rejected: pass one layer type's dict.
+
+    ``ignore_keys`` names model-specific keys of the rope parameters that are not RoPE scaling
+    (Qwen2-VL's ``mrope_section``, say): they are dropped, as ``transformers``' ``ignore_keys`` lets them through.
 
     Returns:
         A dict with ``head_dim``, ``theta``, ``rotary_dim``, ``scaling`` (None for plain RoPE) and
@@ -77,7 +80,10 @@ def rope_config(config: Mapping[str, Any]) -> dict[str, Any]:
     max_positions = config.get("max_position_embeddings")
     if max_positions is not None:
         max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
-    scaling = {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
+    if isinstance(ignore_keys, str) or not all(isinstance(key, str) for key in ignore_keys):
+        raise TypeError(f"ignore_keys must be an iterable of str, got {ignore_keys!r}")
+    dropped = set(_CONFIG_ONLY_KEYS) | set(ignore_keys)
+    scaling = {k: v for k, v in params.items() if k not in dropped}
     if scaling and "rope_type" not in scaling and "type" not in scaling:
         scaling["rope_type"] = "default"
     if "type" in scaling and "rope_type" in scaling:

@@ -6,7 +6,7 @@ queries against the keys of the whole sequence. Two things must be right for RoP
 
 * **Global positions.** A rank's tokens must be rotated by their positions in the *full*
   sequence, not by ``0 .. S/W - 1``: the score ``<R_m q, R_n k>`` depends on ``m - n``, and
-  ``m``, ``n`` are global. :func:`shard_positions` gives those positions (Megatron-core slices
+  ``m``, ``n`` are global. :func:`~ropelib.shard_positions` gives those positions (Megatron-core slices
   its rotary table the same way in ``get_pos_emb_on_this_cp_rank``).
 * **The causal mask by global positions**: key ``n`` is visible to query ``m`` iff ``n <= m``.
 
@@ -23,9 +23,9 @@ TransformerEngine's context parallelism, Llama 3's all-gather CP (Dubey et al., 
 and PyTorch's ``torch.distributed.tensor.experimental.context_parallel``, whose default load
 balancer (``_HeadTailLoadBalancer``, the "round-robin" one of ``context_parallel_unshard``)
 builds the same index: for ``S = 16, W = 4`` rank 0 holds ``[0, 1, 14, 15]`` and rank 3 holds
-``[6, 7, 8, 9]``, as :func:`shard_positions` does. So a buffer sharded by PyTorch's
+``[6, 7, 8, 9]``, as :func:`~ropelib.shard_positions` does. So a buffer sharded by PyTorch's
 ``context_parallel(mesh, buffers=[...], buffer_seq_dims=[...])`` lines up token for token with
-:func:`shard_sequence` and :func:`shard_positions`.
+:func:`~ropelib.shard_sequence` and :func:`~ropelib.shard_positions`.
 
 **PyTorch's context_parallel on a CPU (torch 2.13, gloo).** Tried with 2 and 4 processes on
 ``init_device_mesh("cpu", (W,))``: the buffer sharding and ``context_parallel_unshard`` work and
@@ -34,10 +34,10 @@ dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no
 sharding strategy ("does not have a sharding strategy registered"); the ring-attention handlers
 cover only the CUDA flash, memory-efficient and cuDNN kernels, and the math backend
 (``sdpa_kernel(SDPBackend.MATH)``) fails on mixed Tensor/DTensor arguments. Its attention is
-therefore CUDA-only; :func:`context_parallel_attention` below runs anywhere ``torch.distributed``
+therefore CUDA-only; :func:`~ropelib.context_parallel_attention` below runs anywhere ``torch.distributed``
 does.
 
-:func:`context_parallel_attention` is the simplest correct CP attention (all-gather KV, as in
+:func:`~ropelib.context_parallel_attention` is the simplest correct CP attention (all-gather KV, as in
 Llama 3 and Megatron's ``cp_comm_type="all_gather"``): every rank gathers the rotated keys,
 values and their positions from all ranks and masks by global positions. Ring attention
 (Liu et al., 2023, arXiv:2310.01889) instead passes KV blocks around a ring and overlaps the
@@ -134,7 +134,7 @@ def shard_sequence(
 
     Args:
         x: any tensor, e.g. ``[batch, seq, heads, head_dim]`` or token ids ``[batch, seq]``.
-        world_size, rank, load_balance: as in :func:`shard_positions`.
+        world_size, rank, load_balance: as in :func:`~ropelib.shard_positions`.
         dim: the sequence dimension (``1`` for ``[batch, seq, ...]``).
 
     Returns:
@@ -148,7 +148,7 @@ def shard_sequence(
 
 
 def unshard_sequence(shards: Sequence[torch.Tensor], *, dim: int = 1, load_balance: bool = True) -> torch.Tensor:
-    """Put the shards of all ranks back into the full sequence (the inverse of :func:`shard_sequence`).
+    """Put the shards of all ranks back into the full sequence (the inverse of :func:`~ropelib.shard_sequence`).
 
     With ``load_balance=True`` shard ``r`` is ``[chunk r, chunk 2W-1-r]``, so the sequence is the
     first halves of ranks ``0 .. W-1`` followed by the second halves of ranks ``W-1 .. 0``.
@@ -197,8 +197,8 @@ def context_parallel_attention(
 ) -> torch.Tensor:
     r"""Causal attention with RoPE for one rank of a context-parallel group (all-gather KV).
 
-    A worked example, forward only, to run inside an initialised :mod:`torch.distributed` process
-    group where every rank calls it with its own shard (from :func:`shard_sequence`):
+    A worked example, forward only, to run inside an initialised ``torch.distributed`` process
+    group where every rank calls it with its own shard (from :func:`~ropelib.shard_sequence`):
 
     1. rotate this rank's ``q`` and ``k`` by their *global* ``positions`` (``rope(q, k, positions=positions)``);
     2. all-gather the rotated ``k``, ``v`` and the positions of every rank (``torch.distributed.all_gather``);
@@ -222,7 +222,7 @@ def context_parallel_attention(
         q: ``[batch, local_seq, heads, head_dim]``, this rank's queries.
         k, v: ``[batch, local_seq, kv_heads, head_dim]``, this rank's keys and values.
         positions: int ``[local_seq]`` or ``[batch, local_seq]``, the global positions of this
-            rank's tokens (:func:`shard_positions`); every rank must pass the same shape.
+            rank's tokens (:func:`~ropelib.shard_positions`); every rank must pass the same shape.
         rope: a :class:`ropelib.RotaryEmbedding`, called as ``rope(q, k, positions=positions)``.
         group: the process group (default: the world).
 

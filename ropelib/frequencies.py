@@ -32,7 +32,7 @@ def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
 def angle_tables(
     inv_freq64: torch.Tensor, positions: torch.Tensor, attention_scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`cos_sin_table` without argument checks: ``inv_freq64`` float64 on ``positions``' device."""
+    """:func:`~ropelib.cos_sin_table` without argument checks: ``inv_freq64`` float64 on ``positions``' device."""
     angles = positions.to(torch.float64)[..., None] * inv_freq64
     cos, sin = angles.cos(), angles.sin()
     if attention_scaling != 1.0:

@@ -4,7 +4,7 @@ r"""Which features of a head form RoPE's rotated pairs, and how to move weights 
 * ``"interleaved"`` (GPT-J, Meta's complex-number code, the seed): pair ``i`` is ``(x[2i], x[2i+1])``.
 
 Both give the same scores once the projections are permuted to match
-(:func:`convert_rotary_layout`).
+(:func:`~ropelib.convert_rotary_layout`).
 """
 
 from __future__ import annotations

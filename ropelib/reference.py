@@ -53,7 +53,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layou
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layout: str) -> torch.Tensor:
-    """:func:`apply_rotary` without argument checks, for callers that validated them."""
+    """:func:`~ropelib.apply_rotary` without argument checks, for callers that validated them."""
     compute = torch.float64 if x.dtype == torch.float64 else torch.float32
     r = 2 * cos.shape[-1]
     cos = cos.to(compute).unsqueeze(-2)  # [.., seq, 1, r/2]: broadcast over heads

@@ -62,7 +62,7 @@ class RotaryEmbedding(nn.Module):
         rotary_dim: features rotated per head (``head_dim`` by default; even, <= ``head_dim``).
         scaling: a Hugging Face-style ``rope_scaling`` dict (see :mod:`ropelib.scaling`).
         max_position_embeddings: the context length the frequencies are built for (read by scalings).
-        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`ropelib.kernels.BACKENDS`).
+        backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`~ropelib.kernels.ops.BACKENDS`).
 
     Shapes:
         ``forward(q, k, positions=None)``: ``q`` is ``[batch, seq, q_heads, head_dim]``, ``k`` is
@@ -129,7 +129,7 @@ class RotaryEmbedding(nn.Module):
 
     @property
     def cache_limit(self) -> int:
-        """The most positions the float32 cache holds (see :data:`CACHE_POSITIONS`)."""
+        """The most positions the float32 cache holds (see :data:`~ropelib.rotary.CACHE_POSITIONS`)."""
         return max(CACHE_POSITIONS, self.max_position_embeddings or 0)
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
@@ -249,7 +249,7 @@ class RotaryEmbedding(nn.Module):
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """:meth:`forward` without argument checks, for callers that ran :meth:`check_qk` (attention layers, xPos)."""
+        """The module's call without argument checks, for callers that ran :meth:`check_qk` (attention layers, xPos)."""
         batch, seq = q.shape[:2]
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin, rows = self.tables_for(positions, seq, q.device, compute)

@@ -237,3 +237,59 @@ def test_rejects_bad_arguments() -> None:
         rotary_qk(q, k, cos, sin, layout="neox")
     with pytest.raises(ValueError, match="seq_len is 3"):
         rotary_qk(q, k, cos[:2], sin[:2])
+
+
+# ----------------------------------------------------------------------------- regressions: silently wrong before
+
+
+@KERNEL
+def test_non_contiguous_tables_are_read_by_their_strides(kernel: str) -> None:
+    # The Triton kernel used to assume contiguous tables and cos's row stride for sin: sliced or
+    # column-strided tables gave errors of 1.4 and 4.6. The expected values are the rotation matrices.
+    q, k = torch.randn(1, 4, 2, 8), torch.randn(1, 4, 1, 8)
+    cos, sin = tables(8, 4)
+    wide_cos = torch.cat([cos, cos], -1)[:, :4]  # row stride 8, unit column stride
+    strided_cos, strided_sin = torch.stack([cos, cos], -1).flatten(-2)[:, ::2], sin.repeat_interleave(2, -1)[:, ::2]
+    for c, s in ((wide_cos, sin), (strided_cos, strided_sin), (cos, torch.cat([sin, sin], -1)[:, :4])):
+        q2, k2 = rotary_qk(q, k, c, s, kernel=kernel)
+        check(q2, rotate_ref(q, torch.arange(4), theta=THETA), q)
+        check(k2, rotate_ref(k, torch.arange(4), theta=THETA), k)
+
+
+@KERNEL
+def test_in_place_refuses_aliased_or_overlapping_q_and_k(kernel: str) -> None:
+    # The same tensor as q and k used to be rotated twice; an expanded (stride-0) q was written
+    # through overlapping memory by the Triton kernel.
+    cos, sin = tables(8, 4)
+    x = torch.randn(1, 4, 2, 8)
+    with pytest.raises(ValueError, match="q and k in separate memory"):
+        rotary_qk(x, x, cos, sin, inplace=True, kernel=kernel)
+    with pytest.raises(ValueError, match="q and k in separate memory"):
+        rotary_qk(x[:, :, :2], x[:, :, 1:], cos, sin, inplace=True, kernel=kernel)  # head 1 in both
+    expanded = torch.randn(1, 4, 1, 8).expand(1, 4, 3, 8)
+    with pytest.raises(ValueError, match="q whose elements do not share memory"):
+        rotary_qk(expanded, torch.randn(1, 4, 1, 8), cos, sin, inplace=True, kernel=kernel)
+    # separate halves of one buffer do not overlap: allowed, and rotated once each
+    buf = torch.randn(1, 4, 2, 8)
+    want_q = rotate_ref(buf[:, :, :1], torch.arange(4), theta=THETA)
+    want_k = rotate_ref(buf[:, :, 1:], torch.arange(4), theta=THETA)
+    q_view, k_view = buf[:, :, :1], buf[:, :, 1:]
+    rotary_qk(q_view, k_view, cos, sin, inplace=True, kernel=kernel)
+    check(q_view, want_q, q_view)
+    check(k_view, want_k, k_view)
+
+
+@KERNEL
+def test_out_of_range_positions_never_give_numbers_under_compile(kernel: str) -> None:
+    # Compiled, the torch kernel used to wrap -1 to the last row. Now a queued check raises
+    # (RuntimeError: the device-side assertion of ropelib._validation) with the message.
+    cos, sin = tables(8, 4)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, p: rotary_qk(q, k, cos, sin, p, kernel=kernel), fullgraph=True)
+    torch.testing.assert_close(compiled(q, k, torch.tensor([0, 3])), rotary_qk(q, k, cos, sin, torch.tensor([0, 3])))
+    for bad in ([0, -1], [0, 4]):
+        with pytest.raises(RuntimeError, match=r"positions must be in \[0, 4\)"):
+            compiled(q, k, torch.tensor(bad))
+    with pytest.raises(ValueError, match="positions must be >= 0"):  # eager on the CPU: a ValueError
+        rotary_qk(q, k, cos, sin, torch.tensor([0, -1]), kernel=kernel)

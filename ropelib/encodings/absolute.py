@@ -125,7 +125,7 @@ class SinusoidalPositionalEncoding(nn.Module):
         return self.add(x, positions)
 
     def add(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`forward` without argument checks (int64 ``positions`` on ``x``'s device, or None)."""
+        """The module's call without argument checks (int64 ``positions`` on ``x``'s device, or None)."""
         if positions is None:
             positions = torch.arange(x.shape[1], device=x.device)
         return x + (self.scale * self.encoding(positions)).to(x.dtype)
@@ -166,7 +166,7 @@ class LearnedPositionalEmbedding(nn.Module):
         return self.add(x, positions)
 
     def add(self, x: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor:
-        """:meth:`forward` without argument checks (int64 ``positions`` in range, or None for ``0 .. seq-1``)."""
+        """The module's call without argument checks (int64 ``positions`` in range, or None for ``0 .. seq-1``)."""
         if positions is None:
             return x + self.weight[: x.shape[1]].to(x.dtype)
         return x + self.weight[positions.to(self.weight.device)].to(x.dtype)

@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .._validation import check_float_tensor, check_int
+from .._validation import check_bool, check_float_dtype, check_float_tensor, check_int
 
 # ----------------------------------------------------------------------------- distances
 
@@ -113,7 +113,7 @@ def t5_relative_bucket(
 def bucket_of(
     relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int
 ) -> torch.Tensor:
-    """:func:`t5_relative_bucket` without argument checks (int64 ``relative_position``, valid settings).
+    """:func:`~ropelib.t5_relative_bucket` without argument checks (int64 ``relative_position``, valid settings).
 
     The arithmetic is T5's own (``transformers``' ``_relative_position_bucket``): the log ratio in
     float32 and truncated, so that buckets agree with T5 at their exact boundaries too, where a
@@ -142,7 +142,7 @@ class T5RelativeBias(nn.Module):
 
     Args:
         num_heads: attention heads (each learns its own bias per bucket).
-        bidirectional, num_buckets, max_distance: see :func:`t5_relative_bucket`.
+        bidirectional, num_buckets, max_distance: see :func:`~ropelib.t5_relative_bucket`.
 
     Shapes:
         ``forward(relative_position)`` takes integer ``j - i`` of shape ``[..., query_len, key_len]``
@@ -154,7 +154,7 @@ class T5RelativeBias(nn.Module):
     ) -> None:
         super().__init__()
         self.num_heads = check_int(num_heads, "num_heads", minimum=1)
-        self.bidirectional = bidirectional
+        self.bidirectional = check_bool(bidirectional, "bidirectional")
         self.num_buckets = num_buckets
         self.max_distance = max_distance
         t5_relative_bucket(torch.zeros(1, dtype=torch.long), bidirectional, num_buckets, max_distance)  # validates
@@ -165,7 +165,7 @@ class T5RelativeBias(nn.Module):
         return self.bias(_check_relative(relative_position, ndim_at_least=2))
 
     def bias(self, relative_position: torch.Tensor) -> torch.Tensor:
-        """:meth:`forward` without argument checks (int64 ``relative_position``)."""
+        """The module's call without argument checks (int64 ``relative_position``)."""
         buckets = bucket_of(
             relative_position.to(self.weight.device), self.bidirectional, self.num_buckets, self.max_distance
         )
@@ -222,6 +222,7 @@ def alibi_bias(
     In a causal model only ``j <= i`` survives the mask, where this is the paper's
     ``m_h (j - i)``; the absolute value makes the same bias usable without a causal mask.
     """
+    dtype = check_float_dtype(dtype)
     rel = relative_positions(query_len, key_len, offset=offset, device=device)
     return alibi_bias_from_relative(alibi_slopes(num_heads), rel, dtype=dtype)
 
@@ -233,6 +234,7 @@ def alibi_bias_from_relative(
 
     Returns ``[..., num_heads, q, k]`` in ``dtype`` (formed in float64).
     """
+    dtype = check_float_dtype(dtype)
     relative_position = _check_relative(relative_position, ndim_at_least=2)
     slopes = check_float_tensor(slopes, "slopes", ndim=1).to(device=relative_position.device, dtype=torch.float64)
     distance = relative_position.abs().double().unsqueeze(-3)  # [..., 1, q, k]
@@ -268,6 +270,7 @@ class ShawRelativePosition(nn.Module):
         self.max_relative_position = check_int(max_relative_position, "max_relative_position", minimum=1)
         size = 2 * self.max_relative_position + 1
         self.key_table = nn.Parameter(torch.randn(size, self.head_dim) * 0.02)
+        check_bool(values, "values")
         self.value_table = nn.Parameter(torch.randn(size, self.head_dim) * 0.02) if values else None
 
     def index(self, relative_position: torch.Tensor) -> torch.Tensor:

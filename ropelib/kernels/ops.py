@@ -1,6 +1,6 @@
 r"""The fused rotation as a PyTorch operator: the kernel registry, autograd, torch.compile, and the lean eager path.
 
-:func:`rotary_qk` rotates ``q`` and ``k`` by the angles of their positions in one call. The
+:func:`~ropelib.rotary_qk` rotates ``q`` and ``k`` by the angles of their positions in one call. The
 work is done by one of the kernels of :data:`KERNELS` (``name -> launcher``):
 
 * ``"torch"``: :mod:`ropelib.kernels.torch_kernel` (a complex multiply or three ``out=`` operations
@@ -10,7 +10,7 @@ work is done by one of the kernels of :data:`KERNELS` (``name -> launcher``):
   Triton's interpreter: correct but slow, for tests).
 
 A backend is what a caller asks for: ``"auto"`` or one of the kernel names (:data:`BACKENDS`);
-:func:`choose_kernel` resolves ``"auto"`` for a device.
+:func:`~ropelib.choose_kernel` resolves ``"auto"`` for a device.
 
 Where the call needs them, the kernels run behind the custom operators ``ropelib::rotary_qk``
 (out of place, differentiable) and ``ropelib::rotary_qk_`` (in place), registered with
@@ -46,7 +46,7 @@ def _launch_triton(*args: Any, **kwargs: Any) -> None:
 
 #: The kernels, ``name -> launcher``. Adding a kernel is one entry here.
 KERNELS: dict[str, Launcher] = {"torch": rotate_qk_torch, "triton": _launch_triton}
-#: What callers may ask for: ``"auto"`` (see :func:`choose_kernel`) or a kernel name.
+#: The backends callers may ask for, ``"auto"`` (see :func:`~ropelib.choose_kernel`) or a kernel name.
 BACKENDS = ("auto", *KERNELS)
 
 
@@ -153,7 +153,7 @@ def rotate_qk(
     kernel: str,
     inplace: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation behind :func:`rotary_qk`, for callers that have validated their arguments.
+    """The rotation behind :func:`~ropelib.rotary_qk`, for callers that have validated their arguments.
 
     ``q``/``k`` ``[B, S, H, D]`` with unit stride on ``D``; ``cos``/``sin`` contiguous ``[L, r/2]`` in the
     compute dtype; ``positions`` int64, ``[B, S]`` (a broadcast view is fine), all in ``[0, L)``;
@@ -201,9 +201,23 @@ def _check_tables(cos: object, sin: object, q: torch.Tensor) -> tuple[torch.Tens
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """True when ``a`` and ``b`` may share memory (the same storage and intersecting byte ranges)."""
-    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr():
+    """True when ``a`` and ``b`` (``[B, S, H, D]``) may share memory.
+
+    Two views of one buffer that differ only in which heads they hold (q and k split from a fused
+    projection) are told apart exactly; any other pair in one storage is compared by byte range.
+    """
+    if a.untyped_storage().data_ptr() != b.untyped_storage().data_ptr() or a.numel() == 0 or b.numel() == 0:
         return False
+    if a.stride() == b.stride() and a.shape[:2] == b.shape[:2] and a.shape[3] == b.shape[3]:
+        head_stride = int(a.stride(2))
+        shift = int(b.storage_offset()) - int(a.storage_offset())
+        if head_stride > 0 and shift % head_stride == 0 and head_stride >= a.shape[3] * int(a.stride(3)):
+            first = shift // head_stride  # b's head 0 is a's head `first`
+            low, high = min(0, first), max(a.shape[2], first + b.shape[2])
+            outer = [int(st) for sz, st in zip(a.shape[:2], a.stride()[:2]) if sz > 1]
+            within_token = all((high - low) * head_stride <= st for st in outer)
+            if within_token:
+                return not (first >= a.shape[2] or first + b.shape[2] <= 0)
 
     def span(t: torch.Tensor) -> tuple[int, int]:
         start = int(t.storage_offset()) * t.element_size()
@@ -211,7 +225,21 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return start, start + (extent + 1) * t.element_size()
 
     (a0, a1), (b0, b1) = span(a), span(b)
-    return a.numel() > 0 and b.numel() > 0 and a0 < b1 and b0 < a1
+    return a0 < b1 and b0 < a1
+
+
+def _self_overlaps(t: torch.Tensor) -> bool:
+    """True when two elements of ``t`` may share memory (a stride 0, or strides that interleave).
+
+    Dimensions sorted by stride must each step over everything the smaller ones span; this is
+    sufficient for distinct addresses (conservative for exotic layouts, which are then refused).
+    """
+    extent = 0
+    for stride, size in sorted((int(st), int(sz)) for sz, st in zip(t.shape, t.stride()) if sz > 1):
+        if stride <= extent:
+            return True
+        extent += (size - 1) * stride
+    return False
 
 
 def _check_inplace(q: torch.Tensor, k: torch.Tensor) -> None:
@@ -220,7 +248,7 @@ def _check_inplace(q: torch.Tensor, k: torch.Tensor) -> None:
     for name, x in (("q", q), ("k", k)):
         if x.stride(-1) != 1:
             raise ValueError(f"inplace=True needs {name} with unit stride on head_dim, got strides {x.stride()}")
-        if torch._debug_has_internal_overlap(x) != 0:
+        if _self_overlaps(x):
             raise ValueError(
                 f"inplace=True needs {name} whose elements do not share memory (it is expanded or overlapping, "
                 f"strides {x.stride()}); pass {name}.contiguous() or use inplace=False"
@@ -259,7 +287,7 @@ def rotary_qk(
         layout: ``"half"`` (pairs ``(i, i + r/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
         inplace: overwrite ``q`` and ``k`` (no autograd) and return them. They must not overlap.
         conjugate: rotate by ``-theta`` instead (what the backward pass does).
-        kernel: ``"auto"`` (see :func:`choose_kernel`), ``"torch"`` or ``"triton"``.
+        kernel: ``"auto"`` (see :func:`~ropelib.choose_kernel`), ``"torch"`` or ``"triton"``.
 
     Returns:
         ``(q_rotated, k_rotated)`` in the input dtypes. Differentiable with respect to ``q`` and

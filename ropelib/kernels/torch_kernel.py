@@ -143,7 +143,7 @@ def rotate_qk_torch(
 ) -> None:
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
 
-    Same contract as :func:`ropelib.kernels.triton_rope.launch_rotary_qk`: ``q`` ``[B, S, Hq, D]``,
+    Same contract as :func:`~ropelib.kernels.triton_kernel.launch_rotary_qk`: ``q`` ``[B, S, Hq, D]``,
     ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin`` the ``[L, r/2]`` cache
     (float32, or float64 for float64 input); ``positions`` int64 ``[B, S]``. Validation is the
     caller's. Inputs in the tables' dtype are rotated with whole-tensor operations; float16 and

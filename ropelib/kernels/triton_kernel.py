@@ -209,7 +209,7 @@ def launch_rotary_qk(
 
     Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin``
     ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any strides, 0 for a shared row).
-    No validation here: :func:`ropelib.kernels.rotary_qk` does it.
+    No validation here: :func:`~ropelib.rotary_qk` does it.
     """
     batch, seq, q_heads, head_dim = q.shape
     k_heads = k.shape[2]

@@ -3,10 +3,10 @@ r"""Context-extension scalings of RoPE's frequencies, read from Hugging Face-sty
 A model trained with RoPE at context length ``L`` sees, in pair ``i``, angles ``m * inv_freq[i]``
 for ``m < L``. Running it at ``s * L`` shows it angles it never saw. Every scaling here changes the
 inverse frequencies (and possibly multiplies cos and sin by an *attention factor*) so that the
-longer context maps back into familiar angles. One public registry, :data:`ROPE_SCALINGS`, holds
+longer context maps back into familiar angles. One public registry, :data:`~ropelib.scaling.registry.ROPE_SCALINGS`, holds
 one entry per ``rope_type`` (one module each: :mod:`~ropelib.scaling.default`,
 :mod:`~ropelib.scaling.linear`, :mod:`~ropelib.scaling.dynamic`, :mod:`~ropelib.scaling.yarn`,
-:mod:`~ropelib.scaling.longrope`, :mod:`~ropelib.scaling.llama3`); :func:`register_scaling` adds yours.
+:mod:`~ropelib.scaling.longrope`, :mod:`~ropelib.scaling.llama3`); :func:`~ropelib.register_scaling` adds yours.
 
 The dict is read with the keys and defaults of model ``config.json`` files (Hugging Face's
 ``rope_scaling`` / ``rope_parameters``): ``"rope_type"`` (``"type"`` is an alias), ``"factor"``,
@@ -158,7 +158,7 @@ def scaled_inverse_frequencies(
     Args:
         rotary_dim: number of rotated features ``d`` (even).
         theta: the base ``b`` (finite, > 0).
-        scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`~ropelib.scaling.ROPE_SCALINGS`.
+        scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`~ropelib.scaling.registry.ROPE_SCALINGS`.
         max_position_embeddings: the model's context length (read by ``dynamic``, and as the
             default of ``original_max_position_embeddings`` / ``factor`` by the others).
         seq_len: the current sequence length (read by ``dynamic`` and ``longrope``).
@@ -229,7 +229,7 @@ def inverse_frequencies64(
     seq_len: int | None = None,
     partial_rotary_factor: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
-    """Like :func:`rope_frequencies` but in float64: the tables are built from these."""
+    """Like :func:`~ropelib.rope_frequencies` but in float64: the tables are built from these."""
     rotary_dim = rotary_dim_for(head_dim, partial_rotary_factor)
     theta = check_positive_float(theta, "theta")
     if scaling is None:

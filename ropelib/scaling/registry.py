@@ -3,9 +3,9 @@ r"""The public registry of RoPE scalings, keyed by ``rope_type``, and the reader
 Each entry is a :class:`RopeScaling`: the function that computes ``(inv_freq64, attention_scaling)``,
 the config keys it reads (required and optional), the paper it implements, and whether its
 frequencies follow the current sequence length (``dynamic``, ``longrope``). One module per
-``rope_type`` in :mod:`ropelib.scaling` registers its entry with :func:`register_scaling`; users
+``rope_type`` in :mod:`ropelib.scaling` registers its entry with :func:`~ropelib.register_scaling`; users
 register their own the same way, and everything else (the module, the Hugging Face patch, the
-lab) reads :data:`ROPE_SCALINGS` instead of keeping its own list.
+lab) reads :data:`~ropelib.scaling.registry.ROPE_SCALINGS` instead of keeping its own list.
 """
 
 from __future__ import annotations
@@ -60,7 +60,7 @@ class RopeScaling:
 
 
 ROPE_SCALINGS: dict[str, RopeScaling] = {}
-"""The registry, ``rope_type`` -> :class:`RopeScaling`. Add entries with :func:`register_scaling`."""
+"""The registry, ``rope_type`` -> :class:`RopeScaling`. Add entries with :func:`~ropelib.register_scaling`."""
 
 #: Keys every dict may carry: the type itself and the base (checked against the ``theta`` argument).
 COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
@@ -76,7 +76,7 @@ def register_scaling(
     for_factor: Example | None = None,
     replace: bool = False,
 ) -> Callable[[ScalingFunction], ScalingFunction]:
-    """Decorator adding ``compute`` to :data:`ROPE_SCALINGS` under ``name``.
+    """Decorator adding ``compute`` to :data:`~ropelib.scaling.registry.ROPE_SCALINGS` under ``name``.
 
     Example:
         >>> @register_scaling("flat", required={"factor"}, paper="an example", replace=True)

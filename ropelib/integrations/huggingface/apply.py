@@ -48,7 +48,7 @@ def rotate_with_tables(
 class RopelibApply:
     """Stands in for a modeling module's ``apply_rotary_pos_emb``.
 
-    Eager calls whose ``cos`` comes from an installed :class:`HFRotaryEmbedding` are rotated by
+    Eager calls whose ``cos`` comes from an installed :class:`~ropelib.HFRotaryEmbedding` are rotated by
     ropelib's kernels with ropelib's float tables; any other call, and every call under
     :func:`torch.compile` (where Inductor fuses the original's arithmetic into one kernel), goes to
     the original function with its arguments unchanged.

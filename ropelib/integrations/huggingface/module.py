@@ -38,7 +38,7 @@ class HFRotaryEmbedding(nn.Module):
 
     The tables come from a :class:`ropelib.RotaryEmbedding` built by
     :meth:`~ropelib.RotaryEmbedding.from_config`: angles formed in float64 and rounded once (where
-    ``transformers`` forms them in float32), the scalings of :data:`ropelib.scaling.ROPE_SCALINGS`,
+    ``transformers`` forms them in float32), the scalings of :data:`~ropelib.scaling.registry.ROPE_SCALINGS`,
     and for ``"dynamic"`` and ``"longrope"`` the same length-following rule as ``transformers``'
     ``dynamic_rope_update``. No call reads position values on a GPU or under :func:`torch.compile`
     (except for those two length-following types, which read the length as ``transformers`` does).

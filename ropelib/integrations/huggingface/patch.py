@@ -7,7 +7,7 @@ Models of a known family (:mod:`~ropelib.integrations.huggingface.families`) do 
 2. a function of the modeling module (``apply_rotary_pos_emb(q, k, cos, sin)``), called by every
    attention layer on ``q, k`` of shape ``[batch, heads, seq, head_dim]``.
 
-:func:`patch_hf_rope` swaps each (1) for an :class:`~ropelib.HFRotaryEmbedding`, which builds the
+:func:`~ropelib.patch_hf_rope` swaps each (1) for an :class:`~ropelib.HFRotaryEmbedding`, which builds the
 tables with ropelib from the model's config, and wraps each (2) so that tables made by ropelib
 are applied by ropelib's kernels (:class:`~ropelib.integrations.huggingface.apply.RopelibApply`).
 The wrapper recognises ropelib's tables by identity and hands every other call to the original
@@ -82,7 +82,7 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
         x' = x \odot \cos(p\,f) + \mathrm{rotate\_half}(x) \odot \sin(p\,f),
 
     with the frequencies ``f`` of the config's ``rope_type`` (any entry of
-    :data:`ropelib.scaling.ROPE_SCALINGS`). Weights, buffers and the state dict are unchanged;
+    :data:`~ropelib.scaling.registry.ROPE_SCALINGS`). Weights, buffers and the state dict are unchanged;
     logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
     A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
     bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
@@ -154,7 +154,7 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
 
 
 def unpatch_hf_rope(model: ModelT) -> ModelT:
-    """Undo :func:`patch_hf_rope`: put the original rotary modules back; returns ``model``.
+    """Undo :func:`~ropelib.patch_hf_rope`: put the original rotary modules back; returns ``model``.
 
     When no patched model is left in the process, the modeling modules' apply functions are
     restored too. Unpatching an unpatched model does nothing.
