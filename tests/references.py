@@ -96,3 +96,30 @@ def attention_ref(
     weights = (scores - scores.amax(-1, keepdim=True)).exp()
     weights = weights / weights.sum(-1, keepdim=True)
     return weights @ v
+
+
+def yarn_ref(
+    rotary_dim: int, base: float, factor: float, original: int, beta_fast: float = 32.0, beta_slow: float = 1.0
+):
+    """YaRN's inverse frequencies and temperature from the formulas (Peng et al., 2024, sec. 3; the ramp
+    bounds floored/ceiled as in the released code), in Python floats: ``(list of d/2 floats, mscale)``."""
+
+    def pair_of(turns: float) -> float:  # the pair index whose wavelength fits `turns` times in `original`
+        return rotary_dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = max(math.floor(pair_of(beta_fast)), 0), min(math.ceil(pair_of(beta_slow)), rotary_dim - 1)
+    high = high + 0.001 if low == high else high
+    out = []
+    for i, inv in enumerate(inverse_frequencies_ref(rotary_dim, base)):
+        ramp = min(max((i - low) / (high - low), 0.0), 1.0)
+        out.append(inv * (1 - ramp) + inv / factor * ramp)
+    return out, 0.1 * math.log(factor) + 1.0
+
+
+def t5_bucket_peer(relative_position: torch.Tensor, bidirectional: bool, num_buckets: int, max_distance: int):
+    """T5's own bucket function (``transformers``' ``T5Attention._relative_position_bucket``): the peer."""
+    from transformers.models.t5.modeling_t5 import T5Attention
+
+    return T5Attention._relative_position_bucket(
+        relative_position, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
+    )

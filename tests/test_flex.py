@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 
-from ropelib import T5RelativeBias, t5_relative_bucket
+from ropelib import T5RelativeBias
 from ropelib.bench.bias import benchmark_bias, bias_setups
 from ropelib.encodings.flex import (
     alibi_score_mod,
@@ -21,7 +21,7 @@ from ropelib.encodings.flex import (
     t5_score_mod,
 )
 
-from references import attention_ref
+from references import attention_ref, t5_bucket_peer
 
 HEADS, SEQ, DIM = 4, 12, 8
 # float32 attention against float64: scores of 8-term dot products and a 12-term softmax; errors
@@ -41,8 +41,8 @@ def t5_ref(module: T5RelativeBias) -> torch.Tensor:
     bias = torch.empty(HEADS, SEQ, SEQ, dtype=torch.float64)
     for i in range(SEQ):
         for j in range(SEQ):
-            bucket = int(
-                t5_relative_bucket(torch.tensor(j - i), module.bidirectional, module.num_buckets, module.max_distance)
+            bucket = int(  # T5's own function (transformers), not ropelib's
+                t5_bucket_peer(torch.tensor(j - i), module.bidirectional, module.num_buckets, module.max_distance)
             )
             bias[:, i, j] = w[bucket]
     return bias

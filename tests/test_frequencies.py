@@ -15,6 +15,8 @@ import torch
 from ropelib import RotaryEmbedding, cos_sin_table, rope_frequencies
 from ropelib.scaling import inverse_frequencies64
 
+from references import yarn_ref
+
 BOUND = 1e-6  # the bound on |table - float64 reference|
 LAST = 1 << 20
 CHUNK = 1 << 16
@@ -58,9 +60,9 @@ def test_rotary_embedding_cache_within_bound(scaling, max_pos):
     rope = RotaryEmbedding(16, 10000.0, scaling=scaling, max_position_embeddings=max_pos)
     positions = torch.arange(LAST + 1)
     cos, sin = rope.cos_sin(positions)
-    inv = rope._inv_freq64.numpy()
+    inv_list, scale = yarn_ref(16, 10000.0, scaling["factor"], scaling["original_max_position_embeddings"])
+    inv = np.array(inv_list)  # from the paper's formulas, not from the module
     angles = positions.numpy().astype(np.float64)[:, None] * inv
-    scale = rope.attention_scaling
     assert np.abs(cos.numpy() - scale * np.cos(angles)).max() <= BOUND
     assert np.abs(sin.numpy() - scale * np.sin(angles)).max() <= BOUND
 

@@ -20,6 +20,8 @@ from ropelib import (
     t5_relative_bucket,
 )
 
+from references import t5_bucket_peer
+
 
 def test_relative_positions_by_hand() -> None:
     # R[i, j] = j - i: row i counts from -i.
@@ -205,3 +207,31 @@ def test_gradcheck_shaw() -> None:
         return torch.func.functional_call(both, {"shaw.key_table": kt, "shaw.value_table": vt}, (q, weights))
 
     assert torch.autograd.gradcheck(run, (q, weights, kt, vt))
+
+
+# ----------------------------------------------------------------------------- T5 exactly, against T5's own function
+
+
+@pytest.mark.parametrize("bidirectional", [True, False])
+@pytest.mark.parametrize("num_buckets, max_distance", [(32, 128), (18, 128), (8, 20), (64, 512), (4, 5)])
+def test_t5_buckets_equal_t5_everywhere(bidirectional: bool, num_buckets: int, max_distance: int) -> None:
+    # Every offset in [-2 max_distance, 2 max_distance], the exact boundaries included (where a float64
+    # log lands just below an integer and T5's float32 one does not, e.g. -64 with 18 buckets), against
+    # transformers' T5Attention._relative_position_bucket: the peer's output, not ropelib's.
+    pytest.importorskip("transformers")
+    rel = torch.arange(-2 * max_distance, 2 * max_distance + 1)
+    want = t5_bucket_peer(rel, bidirectional, num_buckets, max_distance)
+    got = t5_relative_bucket(rel, bidirectional, num_buckets, max_distance)
+    assert torch.equal(got, want), rel[got != want].tolist()
+
+
+def test_t5_bucket_at_the_reported_boundary() -> None:
+    # The case found by hand: 18 buckets, distance 64 back: T5 puts it in bucket 8.
+    assert t5_relative_bucket(torch.tensor([-64]), True, 18, 128).tolist() == [8]
+
+
+def test_t5_bucket_of_extreme_offsets_is_the_last_bucket() -> None:
+    # |j - i| beyond max_distance shares the last bucket of its direction; no overflow at the int64 ends.
+    rel = torch.tensor([-(2**63), -(10**12), 10**12, 2**63 - 1])
+    assert t5_relative_bucket(rel, True, 32, 128).tolist() == [15, 15, 31, 31]
+    assert t5_relative_bucket(rel, False, 32, 128).tolist() == [31, 31, 0, 0]

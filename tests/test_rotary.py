@@ -23,6 +23,7 @@ from ropelib import (
     rotate_half,
 )
 
+from hot_path import graph_breaks, tensor_to_python_calls
 from references import EPS, inverse_frequencies_ref, rotate_ref, rotation_matrix_ref
 
 LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
@@ -308,3 +309,59 @@ def test_gradcheck_rotary_embedding(layout: str) -> None:
     q, k = randn64(2, 4, 2, 8).requires_grad_(), randn64(2, 4, 1, 8).requires_grad_()
     positions = torch.tensor([[0, 5, 9, 20], [3, 3, 4, 1000]])
     assert torch.autograd.gradcheck(lambda q, k: rope(q, k, positions), (q, k))
+
+
+def test_module_built_under_meta_device_works_on_real_tensors() -> None:
+    # Frequencies are plain CPU attributes, built on the CPU even under torch.device("meta"), so a module
+    # built there (as large models are) rotates real tensors once they arrive; reset_parameters rebuilds.
+    with torch.device("meta"):
+        rope = RotaryEmbedding(8, scaling={"rope_type": "linear", "factor": 2.0})
+    expected = [f / 2 for f in inverse_frequencies_ref(8, 10000.0)]
+    assert rope.inv_freq.tolist() == pytest.approx(expected, rel=1e-7)
+    rope.reset_parameters()
+    q = torch.randn(1, 3, 2, 8)
+    # linear scaling: position m turns as position m / 2 would (the matrices take fractional positions)
+    want = torch.stack([q[0, s].double() @ rotation_matrix_ref(s / 2, 8).T for s in range(3)])[None]
+    torch.testing.assert_close(rope(q, q)[0].double(), want, rtol=0.0, atol=1e-6)
+
+
+def test_far_positions_cost_rows_not_a_table() -> None:
+    # One token at 2^31 used to build a float32 table for every position from 0 (17 GB).
+    rope = RotaryEmbedding(8)
+    q = torch.randn(1, 1, 1, 8)
+    out, _ = rope(q, q, torch.tensor([2**31]))
+    assert rope._cos.shape[0] <= rope.cache_limit
+    torch.testing.assert_close(out.double(), rotate_ref(q, torch.tensor([2**31])), rtol=0.0, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- the hot path: no host reads, whole graphs
+
+
+@pytest.mark.parametrize("positions", [torch.arange(5) + 7, torch.arange(10).view(2, 5) * 3, torch.arange(5)[None]])
+@LAYOUT
+def test_compiles_to_one_graph_with_explicit_positions(positions: torch.Tensor, layout: str) -> None:
+    rope = RotaryEmbedding(16, layout=layout)
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    breaks, reasons = graph_breaks(lambda q, k, p: rope(q, k, p), q, k, positions)
+    assert breaks == 0, reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, p: rope(q, k, p), fullgraph=True)
+    for got, want, x in zip(compiled(q, k, positions), rope(q, k, positions), (q, k)):
+        # eager and compiled use the same float64 angles; the float32 products may be fused differently
+        torch.testing.assert_close(got, want, rtol=0.0, atol=8 * EPS[torch.float32] * x.abs().max().item())
+        ref = rotate_ref(x, positions.expand(2, 5) if positions.ndim == 2 else positions, layout=layout)
+        assert (got.double() - ref).abs().max() <= 8 * EPS[torch.float32] * x.abs().max()
+
+
+def test_no_tensor_to_python_conversion_off_the_cpu() -> None:
+    # On a GPU (here: meta tensors, which have no values and take the same path) a call reads no
+    # tensor value on the host: no .item(), int(), bool(). On the CPU, reading positions is free
+    # (they are host memory) and ropelib does, to choose its cache: that is the documented exception.
+    rope = RotaryEmbedding(16)
+    meta = torch.device("meta")
+    q, k = torch.randn(2, 5, 4, 16, device=meta), torch.randn(2, 5, 2, 16, device=meta)
+    with tensor_to_python_calls() as calls:
+        rope(q, k, torch.arange(10, device=meta).view(2, 5))
+        rope(q, k)
+        rope(q.double(), k.double(), torch.arange(5, device=meta))
+    assert calls == []

@@ -9,6 +9,7 @@ al., 2024). Both sides are float64, so they agree to rounding: tolerance 1e-12 r
 from __future__ import annotations
 
 import math
+import warnings
 
 import pytest
 import torch
@@ -639,3 +640,55 @@ def test_agrees_with_transformers(rope_type, params, max_pos, seq_len):
 
 def test_exported():
     assert ropelib.rope_config is rope_config and ropelib.scaled_inverse_frequencies is scaled_inverse_frequencies
+
+
+# ----------------------------------------------------------------------------- warnings as transformers gives them
+
+
+def test_yarn_factor_that_disagrees_with_the_lengths_warns() -> None:
+    # transformers warns when factor != max_position_embeddings / original_max_position_embeddings
+    scaling = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}
+    with pytest.warns(UserWarning, match="does not match max_position_embeddings"):
+        scaled_inverse_frequencies(64, 10000.0, scaling, max_position_embeddings=2048)
+    with pytest.warns(UserWarning, match="does not match"):  # original > max: an implicit factor below 1
+        scaled_inverse_frequencies(64, 10000.0, scaling, max_position_embeddings=512)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # consistent: 4 * 1024 = 4096, no warning
+        scaled_inverse_frequencies(64, 10000.0, scaling, max_position_embeddings=4096)
+
+
+def test_llama3_original_not_below_max_warns() -> None:
+    scaling = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+    with pytest.warns(UserWarning, match="should be less than max_position_embeddings"):
+        scaled_inverse_frequencies(
+            64, 500000.0, {**scaling, "original_max_position_embeddings": 8192}, max_position_embeddings=8192
+        )
+
+
+def test_longrope_factors_must_be_ordered() -> None:
+    scaling = {"rope_type": "longrope", "short_factor": {1.0, 2.0}, "long_factor": [1.0, 2.0]}
+    with pytest.raises(TypeError, match=r"scaling\['short_factor'\] must be a list"):
+        scaled_inverse_frequencies(4, 10000.0, scaling, max_position_embeddings=64)
+
+
+def test_ignore_keys_lets_model_specific_keys_through() -> None:
+    scaling = {"rope_type": "linear", "factor": 2.0, "mrope_section": [1, 1]}
+    with pytest.raises(ValueError, match="unknown keys \\['mrope_section'\\]"):
+        scaled_inverse_frequencies(4, 100.0, scaling)
+    inv, _ = scaled_inverse_frequencies(4, 100.0, scaling, ignore_keys=["mrope_section"])
+    assert inv.tolist() == [0.5, 0.05]  # 1/2 and (1/10)/2 by hand
+
+
+@pytest.mark.parametrize("seq_len, factors", [(64, "short"), (65, "long"), (None, "short")])
+def test_longrope_switches_strictly_past_the_original_length(seq_len: int | None, factors: str) -> None:
+    # seq_len == original_max_position_embeddings still uses the short factors (transformers: seq_len > original).
+    short, long = [1.0, 2.0], [4.0, 8.0]
+    scaling = {
+        "rope_type": "longrope",
+        "short_factor": short,
+        "long_factor": long,
+        "original_max_position_embeddings": 64,
+    }
+    inv, _ = scaled_inverse_frequencies(4, 100.0, scaling, max_position_embeddings=256, seq_len=seq_len)
+    chosen = short if factors == "short" else long
+    assert inv.tolist() == pytest.approx([1.0 / chosen[0], 0.1 / chosen[1]], rel=1e-15)

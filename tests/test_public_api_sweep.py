@@ -1,0 +1,723 @@
+"""Every public entry point of ``ropelib.__all__`` called the way a careless or hostile user would.
+
+Each case either gives the right answer (checked against a float64 reference, a hand-worked value
+or the plain contiguous call) or raises :class:`TypeError`/:class:`ValueError` whose message names
+the argument. Wrong types, ranks, empty tensors, NaN/inf, extreme and negative positions,
+non-contiguous/expanded/aliased inputs, mixed dtypes and devices, meta tensors.
+``test_every_public_name_is_swept`` fails when a public name has no case here.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+import ropelib as rl
+
+from references import rotate_ref
+
+Q, K = torch.randn(1, 4, 2, 8, generator=torch.Generator().manual_seed(0)), torch.randn(1, 4, 1, 8)
+X = torch.randn(2, 4, 8)
+COS, SIN = rl.RotaryEmbedding(8).cos_sin_cache(16)
+COS, SIN = COS[:16], SIN[:16]
+CONFIG = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
+LINEAR = {"rope_type": "linear", "factor": 2.0}
+META = torch.device("meta")
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str  # the public name it exercises
+    call: Callable[[], Any]
+    error: type[Exception] | None = None  # expected exception, or None for a result
+    match: str = ""  # regex the message must contain (it names the argument)
+    check: Callable[[Any], bool] | None = None  # for results: must return True
+
+
+def raises(name: str, error: type[Exception], match: str, call: Callable[[], Any]) -> Case:
+    return Case(name, call, error, match)
+
+
+def gives(name: str, check: Callable[[Any], bool], call: Callable[[], Any]) -> Case:
+    return Case(name, call, check=check)
+
+
+def close(a: torch.Tensor, b: torch.Tensor, tol: float = 1e-6) -> bool:
+    """float32 rotations of values ~3: a few float32 ulps (1e-7 relative) apart at most."""
+    return a.shape == b.shape and bool(((a.double() - b.double()).abs() <= tol * (1 + b.double().abs())).all())
+
+
+def rotated(q: torch.Tensor, positions: torch.Tensor, layout: str = "half") -> torch.Tensor:
+    return rotate_ref(q, positions, layout=layout)
+
+
+def shapes(*expected: tuple[int, ...]) -> Callable[[Any], bool]:
+    def ok(result: Any) -> bool:
+        results = result if isinstance(result, tuple) else (result,)
+        return [tuple(r.shape) for r in results] == [tuple(e) for e in expected]
+
+    return ok
+
+
+def empty_like_ok(result: Any) -> bool:
+    results = result if isinstance(result, tuple) else (result,)
+    return all(r.numel() == 0 for r in results)
+
+
+ROPE = rl.RotaryEmbedding(8)
+EXPANDED_K = torch.randn(1, 4, 1, 8).expand(1, 4, 2, 8)
+STRIDED_Q = torch.randn(1, 4, 8, 8)[:, :, ::4]  # [1, 4, 2, 8], head stride 32
+
+CASES: list[Case] = [
+    # ---- RotaryEmbedding
+    raises("RotaryEmbedding", TypeError, "head_dim must be an int", lambda: rl.RotaryEmbedding(8.0)),
+    raises("RotaryEmbedding", ValueError, "head_dim must be even", lambda: rl.RotaryEmbedding(7)),
+    raises("RotaryEmbedding", ValueError, "theta must be a finite number > 0", lambda: rl.RotaryEmbedding(8, math.nan)),
+    raises("RotaryEmbedding", ValueError, "theta must be a finite number > 0", lambda: rl.RotaryEmbedding(8, -1.0)),
+    raises(
+        "RotaryEmbedding", ValueError, "rotary_dim must be <= head_dim", lambda: rl.RotaryEmbedding(8, rotary_dim=10)
+    ),
+    raises("RotaryEmbedding", ValueError, "layout must be one of", lambda: rl.RotaryEmbedding(8, layout="neox")),
+    raises("RotaryEmbedding", TypeError, "scaling must be a dict", lambda: rl.RotaryEmbedding(8, scaling="linear")),
+    raises("RotaryEmbedding", ValueError, "backend must be one of", lambda: rl.RotaryEmbedding(8, backend="cuda")),
+    raises("RotaryEmbedding", TypeError, "q must be a torch.Tensor", lambda: ROPE([[1.0]], K)),
+    raises("RotaryEmbedding", ValueError, "q must have 4 dimensions", lambda: ROPE(Q[0], K)),
+    raises("RotaryEmbedding", TypeError, "q must be a floating-point tensor", lambda: ROPE(Q.long(), K)),
+    raises("RotaryEmbedding", ValueError, "must share dtype and device", lambda: ROPE(Q, K.double())),
+    raises("RotaryEmbedding", ValueError, "must share dtype and device", lambda: ROPE(Q, K.to(META))),
+    raises("RotaryEmbedding", ValueError, "head_dim=8", lambda: ROPE(torch.randn(1, 4, 2, 6), torch.randn(1, 4, 1, 6))),
+    raises("RotaryEmbedding", ValueError, "positions must be >= 0", lambda: ROPE(Q, K, torch.tensor([0, 1, -1, 2]))),
+    raises("RotaryEmbedding", TypeError, "positions must be an integer tensor", lambda: ROPE(Q, K, torch.ones(4))),
+    raises(
+        "RotaryEmbedding", TypeError, "positions must be an integer tensor", lambda: ROPE(Q, K, torch.ones(4).bool())
+    ),
+    raises("RotaryEmbedding", TypeError, "uint64", lambda: ROPE(Q, K, torch.arange(4).to(torch.uint64))),
+    raises("RotaryEmbedding", ValueError, "positions must have shape", lambda: ROPE(Q, K, torch.arange(5))),
+    gives("RotaryEmbedding", empty_like_ok, lambda: ROPE(torch.randn(0, 4, 2, 8), torch.randn(0, 4, 1, 8))),
+    gives("RotaryEmbedding", empty_like_ok, lambda: ROPE(torch.randn(1, 0, 2, 8), torch.randn(1, 0, 1, 8))),
+    gives("RotaryEmbedding", empty_like_ok, lambda: ROPE(torch.randn(1, 4, 0, 8), torch.randn(1, 4, 0, 8))),
+    gives(
+        "RotaryEmbedding",
+        lambda r: close(r[0], rotated(Q, torch.tensor([3, 1, 4, 1]))),
+        lambda: ROPE(Q, K, torch.tensor([3, 1, 4, 1], dtype=torch.uint8)),
+    ),
+    gives(
+        "RotaryEmbedding",
+        lambda r: close(r[0], rotated(Q.expand(2, 4, 2, 8), torch.arange(4))),
+        lambda: ROPE(Q.expand(2, 4, 2, 8), K.expand(2, 4, 1, 8), torch.arange(4)[None]),  # [1, seq] over batch 2
+    ),
+    gives(
+        "RotaryEmbedding",  # a far position costs one row, not a table to 2^31 (17 GB)
+        lambda r: close(r[0], rotated(Q[:, :1], torch.tensor([2**31])), tol=1e-5) and ROPE._cos.shape[0] <= 1 << 16,
+        lambda: ROPE(Q[:, :1], K[:, :1], torch.tensor([2**31])),
+    ),
+    gives("RotaryEmbedding", lambda r: close(r[0], rotated(STRIDED_Q, torch.arange(4))), lambda: ROPE(STRIDED_Q, K)),
+    gives("RotaryEmbedding", lambda r: close(r[1], rotated(EXPANDED_K, torch.arange(4))), lambda: ROPE(Q, EXPANDED_K)),
+    gives("RotaryEmbedding", lambda r: close(r[0], rotated(Q, torch.arange(4))), lambda: ROPE(Q, Q)),  # aliased
+    gives("RotaryEmbedding", shapes((1, 4, 2, 8), (1, 4, 1, 8)), lambda: ROPE(Q.to(META), K.to(META))),
+    gives(
+        "RotaryEmbedding",
+        shapes((1, 4, 2, 8), (1, 4, 1, 8)),
+        lambda: ROPE(Q.double().to(META), K.double().to(META), torch.arange(4, device=META)),
+    ),
+    raises("RotaryEmbedding", ValueError, "positions must be >= 0", lambda: ROPE.cos_sin(torch.tensor([-1]))),
+    raises("RotaryEmbedding", TypeError, "positions must be an integer", lambda: ROPE.cos_sin(torch.tensor([0.5]))),
+    gives(
+        "RotaryEmbedding", lambda r: r[0].dtype == torch.float16, lambda: ROPE.cos_sin(torch.tensor([1]), torch.float16)
+    ),
+    raises(
+        "RotaryEmbedding", TypeError, "dtype must be a floating", lambda: ROPE.cos_sin(torch.tensor([1]), torch.int64)
+    ),
+    # ---- rotary_qk, choose_kernel, BACKENDS, KERNELS
+    raises("rotary_qk", TypeError, "cos must be a torch.Tensor", lambda: rl.rotary_qk(Q, K, None, SIN)),
+    raises("rotary_qk", ValueError, "cos must have 2 dimensions", lambda: rl.rotary_qk(Q, K, COS[None], SIN)),
+    raises(
+        "rotary_qk", TypeError, "cos and sin must be torch.float32", lambda: rl.rotary_qk(Q, K, COS.half(), SIN.half())
+    ),
+    raises("rotary_qk", ValueError, "non-empty", lambda: rl.rotary_qk(Q, K, COS[:0], SIN[:0])),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "positions must be < 16",
+        lambda: rl.rotary_qk(Q, K, COS, SIN, torch.tensor([0, 1, 2, 16])),
+    ),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "positions must be >= 0",
+        lambda: rl.rotary_qk(Q, K, COS, SIN, torch.tensor([0, 1, 2, -1])),
+    ),
+    raises("rotary_qk", ValueError, "table has 2 rows but seq_len is 4", lambda: rl.rotary_qk(Q, K, COS[:2], SIN[:2])),
+    raises("rotary_qk", TypeError, "inplace must be a bool", lambda: rl.rotary_qk(Q, K, COS, SIN, inplace="yes")),
+    raises("rotary_qk", TypeError, "conjugate must be a bool", lambda: rl.rotary_qk(Q, K, COS, SIN, conjugate=1)),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "separate memory",
+        lambda: (lambda t: rl.rotary_qk(t, t, COS, SIN, inplace=True))(Q.clone()),
+    ),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "do not share memory",
+        lambda: rl.rotary_qk(EXPANDED_K, K.clone(), COS, SIN, inplace=True),
+    ),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "cos and sin must not require grad",
+        lambda: rl.rotary_qk(Q, K, COS.requires_grad_(False).clone().requires_grad_(), SIN),
+    ),
+    raises("rotary_qk", ValueError, "kernel must be one of", lambda: rl.rotary_qk(Q, K, COS, SIN, kernel="cuda")),
+    gives(
+        "rotary_qk",
+        lambda r: close(r[0], rotated(STRIDED_Q, torch.arange(4))),
+        lambda: rl.rotary_qk(STRIDED_Q, K, COS, SIN),
+    ),
+    gives("rotary_qk", lambda r: close(r[0], rotated(Q, torch.arange(4))), lambda: rl.rotary_qk(Q, Q, COS, SIN)),
+    gives(
+        "rotary_qk",
+        lambda r: close(r[0], rotated(Q, torch.arange(4))),
+        lambda: rl.rotary_qk(Q, K, torch.cat([COS, COS], -1)[:, :4], torch.cat([SIN, SIN], -1)[:, :4]),
+    ),
+    gives("rotary_qk", empty_like_ok, lambda: rl.rotary_qk(torch.randn(0, 4, 2, 8), torch.randn(0, 4, 1, 8), COS, SIN)),
+    gives(
+        "rotary_qk",
+        shapes((1, 4, 2, 8), (1, 4, 1, 8)),
+        lambda: rl.rotary_qk(Q.to(META), K.to(META), COS.to(META), SIN.to(META)),
+    ),
+    gives("choose_kernel", lambda r: r == "torch", lambda: rl.choose_kernel("auto", "cpu")),
+    raises("choose_kernel", ValueError, "device must name a torch device", lambda: rl.choose_kernel("auto", "gpu0x")),
+    raises("choose_kernel", TypeError, "device must be a torch.device or str", lambda: rl.choose_kernel("auto", 0)),
+    gives("BACKENDS", lambda r: r == ("auto", "torch", "triton"), lambda: rl.BACKENDS),
+    gives("KERNELS", lambda r: set(r) == {"torch", "triton"} and all(map(callable, r.values())), lambda: rl.KERNELS),
+    # ---- tables and frequencies
+    raises(
+        "cos_sin_table",
+        TypeError,
+        "positions must be an integer torch.Tensor",
+        lambda: rl.cos_sin_table(torch.ones(4), [0, 1]),
+    ),
+    raises(
+        "cos_sin_table",
+        ValueError,
+        "attention_scaling must be a finite number > 0",
+        lambda: rl.cos_sin_table(torch.ones(4), torch.arange(3), math.nan),
+    ),
+    raises(
+        "cos_sin_table",
+        TypeError,
+        "dtype must be a floating",
+        lambda: rl.cos_sin_table(torch.ones(4), torch.arange(3), dtype=torch.bool),
+    ),
+    raises(
+        "cos_sin_table",
+        ValueError,
+        "inv_freq must have 1 dimensions",
+        lambda: rl.cos_sin_table(torch.ones(2, 2), torch.arange(3)),
+    ),
+    gives(
+        "cos_sin_table",
+        lambda r: r[0][0, 1].item() == math.cos(-0.5),
+        lambda: rl.cos_sin_table(
+            torch.tensor([1.0, 0.5], dtype=torch.float64), torch.tensor([-1]), dtype=torch.float64
+        ),
+    ),
+    raises("rope_frequencies", ValueError, "head_dim must be even", lambda: rl.rope_frequencies(7)),
+    raises(
+        "rope_frequencies",
+        ValueError,
+        "partial_rotary_factor must be in",
+        lambda: rl.rope_frequencies(8, partial_rotary_factor=1.5),
+    ),
+    raises(
+        "rope_frequencies", ValueError, "theta must be a finite number > 0", lambda: rl.rope_frequencies(8, math.inf)
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "theta must be a finite number > 0",
+        lambda: rl.scaled_inverse_frequencies(8, math.nan, LINEAR),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "theta must be a finite number > 0",
+        lambda: rl.scaled_inverse_frequencies(8, 0.0, LINEAR),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "rotary_dim must be even",
+        lambda: rl.scaled_inverse_frequencies(3, 1e4, LINEAR),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "rotary_dim must be >= 2",
+        lambda: rl.scaled_inverse_frequencies(-4, 1e4, LINEAR),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "rotary_dim must be >= 2",
+        lambda: rl.scaled_inverse_frequencies(0, 1e4, LINEAR),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "needs theta > 1",
+        lambda: rl.scaled_inverse_frequencies(8, 1.0, {"rope_type": "yarn", "factor": 2.0}, max_position_embeddings=64),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "original_max_position_embeddings >= 2",
+        lambda: rl.scaled_inverse_frequencies(
+            8,
+            1e4,
+            {
+                "rope_type": "longrope",
+                "short_factor": [1] * 4,
+                "long_factor": [1] * 4,
+                "original_max_position_embeddings": 1,
+                "factor": 2.0,
+            },
+        ),
+    ),  # fmt: skip
+    raises(
+        "scaled_inverse_frequencies",
+        TypeError,
+        "must be a list",
+        lambda: rl.scaled_inverse_frequencies(
+            8,
+            1e4,
+            {"rope_type": "longrope", "short_factor": {1.0, 2.0, 3.0, 4.0}, "long_factor": [1] * 4},
+            max_position_embeddings=64,
+        ),
+    ),  # fmt: skip
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "unknown keys",
+        lambda: rl.scaled_inverse_frequencies(8, 1e4, {**LINEAR, "mrope_section": [1, 1, 2]}),
+    ),
+    gives(
+        "scaled_inverse_frequencies",
+        lambda r: r[0].tolist() == [0.5, 0.005],
+        lambda: rl.scaled_inverse_frequencies(4, 1e4, {**LINEAR, "mrope_section": [1]}, ignore_keys=["mrope_section"]),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        TypeError,
+        "scaling must be a dict",
+        lambda: rl.scaled_inverse_frequencies(8, 1e4, "linear"),
+    ),
+    raises("rope_config", TypeError, "config must be a dict", lambda: rl.rope_config("llama")),
+    raises(
+        "rope_config",
+        ValueError,
+        "one dict per layer type",
+        lambda: rl.rope_config({**CONFIG, "rope_parameters": {"full_attention": {"rope_type": "default"}}}),
+    ),
+    gives(
+        "rope_config",
+        lambda r: r["scaling"] == LINEAR,
+        lambda: rl.rope_config(
+            {**CONFIG, "rope_parameters": {**LINEAR, "mrope_section": [1, 1]}}, ignore_keys=["mrope_section"]
+        ),
+    ),
+    gives(
+        "ROPE_SCALINGS",
+        lambda r: {"default", "linear", "dynamic", "yarn", "longrope", "llama3"} <= set(r),
+        lambda: rl.ROPE_SCALINGS,
+    ),
+    raises("register_scaling", ValueError, "registered already", lambda: rl.register_scaling("linear")),
+    raises("register_scaling", TypeError, "name must be a non-empty str", lambda: rl.register_scaling("")),
+    # ---- layouts and the reference rotation
+    raises("rotate_half", ValueError, "even last dimension", lambda: rl.rotate_half(torch.ones(3))),
+    raises("rotate_half", TypeError, "x must be a floating-point tensor", lambda: rl.rotate_half(torch.ones(4).long())),
+    gives(
+        "rotate_half",
+        lambda r: r.tolist() == [-3.0, -4.0, 1.0, 2.0],
+        lambda: rl.rotate_half(torch.tensor([1.0, 2.0, 3.0, 4.0])),
+    ),
+    gives("LAYOUTS", lambda r: r == ("half", "interleaved"), lambda: rl.LAYOUTS),
+    raises("layout_permutation", ValueError, "src must be one of", lambda: rl.layout_permutation(4, "neox", "half")),
+    raises(
+        "layout_permutation", ValueError, "rotary_dim must be even", lambda: rl.layout_permutation(5, "half", "half")
+    ),
+    raises(
+        "convert_rotary_layout",
+        ValueError,
+        "weight must have shape",
+        lambda: rl.convert_rotary_layout(torch.ones(5, 3), 2, 4, src="half", dst="interleaved"),
+    ),
+    raises(
+        "convert_rotary_layout",
+        ValueError,
+        "rotary_dim must be <= head_dim",
+        lambda: rl.convert_rotary_layout(torch.ones(8, 3), 2, 4, src="half", dst="interleaved", rotary_dim=6),
+    ),
+    raises("apply_rotary", ValueError, "cos and sin must have shape", lambda: rl.apply_rotary(Q, COS, SIN)),
+    raises("apply_rotary", ValueError, "cos is on", lambda: rl.apply_rotary(Q, COS[:4].to(META), SIN[:4].to(META))),
+    raises(
+        "apply_rotary", ValueError, "layout must be one of", lambda: rl.apply_rotary(Q, COS[:4], SIN[:4], layout="x")
+    ),
+    gives("apply_rotary", empty_like_ok, lambda: rl.apply_rotary(torch.randn(1, 0, 2, 8), COS[:0], SIN[:0])),
+    # ---- the seed's complex API
+    raises("precompute_pos_cis", ValueError, "dim must be even", lambda: rl.precompute_pos_cis(7)),
+    raises("precompute_pos_cis", ValueError, "end must be >= 1", lambda: rl.precompute_pos_cis(8, 0)),
+    raises(
+        "precompute_pos_cis",
+        ValueError,
+        "theta must be a finite number > 0",
+        lambda: rl.precompute_pos_cis(8, 4, math.nan),
+    ),
+    raises(
+        "apply_rotary_emb", TypeError, "pos_cis must be a complex tensor", lambda: rl.apply_rotary_emb(Q, K, COS[:4])
+    ),
+    raises(
+        "apply_rotary_emb",
+        ValueError,
+        "xq and xk must share dtype and device",
+        lambda: rl.apply_rotary_emb(Q, K.double(), rl.precompute_pos_cis(8, 4)),
+    ),
+    raises(
+        "apply_rotary_emb",
+        ValueError,
+        "pos_cis is on",
+        lambda: rl.apply_rotary_emb(Q, K, rl.precompute_pos_cis(8, 4).to(META)),
+    ),
+    raises(
+        "apply_rotary_emb",
+        ValueError,
+        "slice it as pos_cis",
+        lambda: rl.apply_rotary_emb(Q, K, rl.precompute_pos_cis(8, 16)),
+    ),
+    gives(
+        "apply_rotary_emb",
+        empty_like_ok,
+        lambda: rl.apply_rotary_emb(torch.randn(0, 4, 2, 8), torch.randn(0, 4, 1, 8), rl.precompute_pos_cis(8, 4)),
+    ),
+    gives(
+        "apply_rotary_emb",
+        empty_like_ok,
+        lambda: rl.apply_rotary_emb(torch.randn(1, 0, 2, 8), torch.randn(1, 0, 1, 8), rl.precompute_pos_cis(8, 4)[:0]),
+    ),
+    gives(
+        "apply_rotary_emb",
+        shapes((1, 4, 0, 8), (1, 4, 0, 8)),
+        lambda: rl.apply_rotary_emb(torch.randn(1, 4, 0, 8), torch.randn(1, 4, 0, 8), rl.precompute_pos_cis(8, 4)),
+    ),
+    gives(
+        "apply_rotary_emb",
+        lambda r: close(r[0], rotated(Q, torch.arange(4), "interleaved")),
+        lambda: rl.apply_rotary_emb(Q, K, rl.precompute_pos_cis(8, 4, 1e4)),
+    ),
+    # ---- absolute encodings
+    raises("sinusoidal_encoding", ValueError, "dim must be even", lambda: rl.sinusoidal_encoding(4, 5)),
+    raises(
+        "sinusoidal_encoding",
+        TypeError,
+        "dtype must be a floating dtype",
+        lambda: rl.sinusoidal_encoding(4, 6, dtype=torch.int64),
+    ),
+    raises(
+        "sinusoidal_encoding",
+        ValueError,
+        "base must be a finite number > 0",
+        lambda: rl.sinusoidal_encoding(4, 6, math.inf),
+    ),
+    gives("sinusoidal_encoding", shapes((0, 6)), lambda: rl.sinusoidal_encoding(0, 6)),
+    raises("sinusoidal_shift_matrix", TypeError, "shift must be an int", lambda: rl.sinusoidal_shift_matrix(1.5, 4)),
+    gives(
+        "sinusoidal_shift_matrix",
+        lambda r: torch.allclose(r, torch.eye(4, dtype=torch.float64)),
+        lambda: rl.sinusoidal_shift_matrix(0, 4),
+    ),
+    raises(
+        "SinusoidalPositionalEncoding",
+        ValueError,
+        "x must have last dimension 8",
+        lambda: rl.SinusoidalPositionalEncoding(8)(torch.randn(2, 4, 6)),
+    ),
+    raises(
+        "SinusoidalPositionalEncoding",
+        ValueError,
+        "scale must be a finite number > 0",
+        lambda: rl.SinusoidalPositionalEncoding(8, scale=math.nan),
+    ),
+    raises(
+        "SinusoidalPositionalEncoding",
+        ValueError,
+        "positions must be >= 0",
+        lambda: rl.SinusoidalPositionalEncoding(8)(X, torch.tensor([0, -1, 2, 3])),
+    ),
+    raises(
+        "LearnedPositionalEmbedding",
+        ValueError,
+        "positions must be < 4",
+        lambda: rl.LearnedPositionalEmbedding(4, 8)(X, torch.tensor([0, 1, 2, 4])),
+    ),
+    raises(
+        "LearnedPositionalEmbedding",
+        ValueError,
+        "the learned table has only 2",
+        lambda: rl.LearnedPositionalEmbedding(2, 8)(X),
+    ),
+    raises(
+        "LearnedPositionalEmbedding",
+        ValueError,
+        "init_std must be a finite number > 0",
+        lambda: rl.LearnedPositionalEmbedding(2, 8, init_std=-1.0),
+    ),
+    # ---- relative encodings
+    raises("relative_positions", ValueError, "query_len must be >= 0", lambda: rl.relative_positions(-1)),
+    raises("relative_positions", TypeError, "offset must be an int", lambda: rl.relative_positions(2, offset=0.5)),
+    gives("relative_positions", shapes((0, 3)), lambda: rl.relative_positions(0, 3)),
+    raises(
+        "t5_relative_bucket",
+        TypeError,
+        "bidirectional must be a bool",
+        lambda: rl.t5_relative_bucket(torch.tensor([1]), "yes"),
+    ),
+    raises(
+        "t5_relative_bucket",
+        TypeError,
+        "relative_position must be an integer tensor",
+        lambda: rl.t5_relative_bucket(torch.tensor([1.0])),
+    ),
+    raises(
+        "t5_relative_bucket",
+        ValueError,
+        "max_distance must be >",
+        lambda: rl.t5_relative_bucket(torch.tensor([1]), True, 32, 4),
+    ),
+    gives(
+        "t5_relative_bucket",
+        lambda r: r.tolist() == [31, 15],
+        lambda: rl.t5_relative_bucket(torch.tensor([2**63 - 1, -(2**63)])),
+    ),
+    raises(
+        "T5RelativeBias", TypeError, "bidirectional must be a bool", lambda: rl.T5RelativeBias(2, bidirectional="no")
+    ),
+    raises(
+        "T5RelativeBias",
+        ValueError,
+        "relative_position must have at least 2 dimensions",
+        lambda: rl.T5RelativeBias(2)(torch.tensor([1])),
+    ),
+    raises("alibi_slopes", ValueError, "num_heads must be >= 1", lambda: rl.alibi_slopes(0)),
+    raises("alibi_bias", TypeError, "dtype must be a floating", lambda: rl.alibi_bias(2, 3, dtype=torch.int64)),
+    raises("alibi_bias", TypeError, "dtype must be a floating", lambda: rl.alibi_bias(2, 3, dtype=torch.bool)),
+    gives("alibi_bias", shapes((2, 0, 0)), lambda: rl.alibi_bias(2, 0)),
+    raises("ShawRelativePosition", TypeError, "values must be a bool", lambda: rl.ShawRelativePosition(8, values="no")),
+    raises(
+        "ShawRelativePosition", ValueError, "max_relative_position must be >= 1", lambda: rl.ShawRelativePosition(8, 0)
+    ),
+    # ---- attention
+    raises("MultiHeadAttention", TypeError, "causal must be a bool", lambda: rl.MultiHeadAttention(8, 2, causal="no")),
+    raises("MultiHeadAttention", ValueError, "position must be one of", lambda: rl.MultiHeadAttention(8, 2, "xpos")),
+    raises("MultiHeadAttention", ValueError, "unknown", lambda: rl.MultiHeadAttention(8, 2, "rope", base=3.0)),
+    raises(
+        "MultiHeadAttention",
+        ValueError,
+        "num_kv_heads=3 must divide",
+        lambda: rl.MultiHeadAttention(8, 2, num_kv_heads=3),
+    ),
+    raises(
+        "MultiHeadAttention",
+        ValueError,
+        "x must have last dimension",
+        lambda: rl.MultiHeadAttention(8, 2)(torch.randn(1, 4, 6)),
+    ),
+    raises(
+        "MultiHeadAttention",
+        ValueError,
+        "positions must be >= 0",
+        lambda: rl.MultiHeadAttention(8, 2, "rope")(X, torch.tensor([0, 1, -5, 2])),
+    ),
+    gives(
+        "MultiHeadAttention",
+        shapes((2, 4, 8)),
+        lambda: rl.MultiHeadAttention(8, 2, "alibi", causal=True)(X, torch.arange(4)[None]),
+    ),
+    gives(
+        "POSITION_ENCODINGS",
+        lambda r: r == ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope"),
+        lambda: rl.POSITION_ENCODINGS,
+    ),
+    raises(
+        "linear_attention",
+        ValueError,
+        "eps must be a finite number > 0",
+        lambda: rl.linear_attention(Q, Q, Q, eps=math.nan),
+    ),
+    raises("linear_attention", TypeError, "causal must be a bool", lambda: rl.linear_attention(Q, Q, Q, causal="no")),
+    raises(
+        "linear_attention",
+        ValueError,
+        "v must share q's dtype and device",
+        lambda: rl.linear_attention(Q, Q, Q.double()),
+    ),
+    raises(
+        "linear_attention",
+        TypeError,
+        "rope must be a RotaryEmbedding",
+        lambda: rl.linear_attention(Q, Q, Q, rope="rope"),
+    ),
+    gives(
+        "linear_attention",
+        shapes((1, 0, 2, 8)),
+        lambda: rl.linear_attention(*(torch.randn(1, 0, 2, 8),) * 3, causal=True),
+    ),
+    gives("linear_attention", shapes((1, 0, 2, 8)), lambda: rl.linear_attention(*(torch.randn(1, 0, 2, 8),) * 3)),
+    raises(
+        "linear_attention_weights",
+        ValueError,
+        "eps must be a finite number > 0",
+        lambda: rl.linear_attention_weights(Q, Q, eps=math.inf),
+    ),
+    raises(
+        "linear_attention_weights",
+        ValueError,
+        "q and k must have equal shapes",
+        lambda: rl.linear_attention_weights(Q, K),
+    ),
+    raises(
+        "elu_feature_map",
+        TypeError,
+        "x must be a floating-point tensor",
+        lambda: rl.elu_feature_map(torch.ones(2).long()),
+    ),
+    raises("LinearAttention", TypeError, "causal must be a bool", lambda: rl.LinearAttention(8, 2, causal=1)),
+    gives("LinearAttention", shapes((1, 0, 8)), lambda: rl.LinearAttention(8, 2, causal=True)(torch.randn(1, 0, 8))),
+    # ---- variants
+    raises(
+        "XPos",
+        ValueError,
+        "keeps xPos finite in torch.float32",
+        lambda: rl.XPos(8)(Q[:, :2], K[:, :2], torch.tensor([0, 100000])),
+    ),
+    raises("XPos", ValueError, "gamma must be a finite number > 0", lambda: rl.XPos(8, gamma=math.nan)),
+    gives(
+        "XPos",
+        lambda r: bool(torch.isfinite(r[0]).all()),
+        lambda: rl.XPos(8)(Q[:, :1], K[:, :1], torch.tensor([2**31])),
+    ),
+    gives(
+        "XPos",
+        shapes((1, 4, 2, 8), (1, 4, 1, 8)),
+        lambda: rl.XPos(8)(Q.to(META), K.to(META), torch.arange(4, device=META)),
+    ),
+    raises("xpos_decay_rates", ValueError, "head_dim must be even", lambda: rl.xpos_decay_rates(5)),
+    raises("axial_positions", ValueError, "height must be >= 1", lambda: rl.axial_positions(0, 3)),
+    raises("AxialRotaryEmbedding", ValueError, "multiple of 4", lambda: rl.AxialRotaryEmbedding(6)),
+    raises(
+        "AxialRotaryEmbedding",
+        ValueError,
+        "must share dtype and device",
+        lambda: rl.AxialRotaryEmbedding(8)(
+            torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8).double(), rl.axial_positions(2, 3)
+        ),
+    ),
+    raises(
+        "AxialRotaryEmbedding",
+        ValueError,
+        "positions must be an integer tensor \\[seq, 2\\]",
+        lambda: rl.AxialRotaryEmbedding(8)(torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8), torch.arange(6)),
+    ),
+    # ---- packing and context parallelism
+    gives(
+        "packed_positions",
+        lambda r: r.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 0, 1],
+        lambda: rl.packed_positions(torch.tensor([0, 3, 3, 8, 10])),
+    ),
+    raises("packed_positions", ValueError, "cu_seqlens", lambda: rl.packed_positions(torch.tensor([0, 3, 2]))),
+    raises("packed_positions", TypeError, "cu_seqlens", lambda: rl.packed_positions(torch.tensor([0.0, 3.0]))),
+    gives("shard_positions", lambda r: r.tolist() == [0, 1, 6, 7], lambda: rl.shard_positions(8, 2, 0)),
+    raises("shard_positions", ValueError, "rank", lambda: rl.shard_positions(8, 2, 2)),
+    raises("shard_positions", ValueError, "divisible", lambda: rl.shard_positions(6, 2, 0)),
+    raises("shard_sequence", ValueError, "rank", lambda: rl.shard_sequence(X, 2, -1)),
+    gives(
+        "unshard_sequence",
+        lambda r: torch.equal(r, X),
+        lambda: rl.unshard_sequence([rl.shard_sequence(X, 2, r) for r in range(2)]),
+    ),
+    raises(
+        "context_parallel_attention",
+        TypeError,
+        "rope",
+        lambda: rl.context_parallel_attention(Q, Q, Q, torch.arange(4), rope="rope"),
+    ),
+    # ---- Hugging Face and devices
+    raises(
+        "HFRotaryEmbedding", TypeError, "config must be a transformers config", lambda: rl.HFRotaryEmbedding("llama")
+    ),
+    raises(
+        "HFRotaryEmbedding",
+        TypeError,
+        "position_ids must be an integer",
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1), torch.ones(1, 3)),
+    ),
+    raises(
+        "HFRotaryEmbedding",
+        ValueError,
+        "position_ids must have shape",
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1), torch.ones(1, 1, 3).long()),
+    ),
+    gives(
+        "HFRotaryEmbedding",
+        shapes((1, 1, 8), (1, 1, 8)),
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1), torch.tensor([[2**31]])),
+    ),
+    gives(
+        "HFRotaryEmbedding",
+        lambda r: close(r[0][0, 0, :4], torch.cos(-torch.tensor([1.0, 0.1, 0.01, 0.001]))),
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1), torch.tensor([[-1]])),
+    ),
+    gives(
+        "HFRotaryEmbedding",
+        shapes((1, 3, 8), (1, 3, 8)),
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1, device=META), torch.arange(3, device=META)[None]),
+    ),
+    raises("patch_hf_rope", TypeError, "model must be a torch.nn.Module", lambda: rl.patch_hf_rope("llama")),
+    raises(
+        "patch_hf_rope",
+        ValueError,
+        "backend must be one of",
+        lambda: rl.patch_hf_rope(torch.nn.Linear(2, 2), backend="cuda"),
+    ),
+    raises("patch_hf_rope", ValueError, "no rotary module", lambda: rl.patch_hf_rope(torch.nn.Linear(2, 2))),
+    raises("unpatch_hf_rope", TypeError, "model must be a torch.nn.Module", lambda: rl.unpatch_hf_rope(None)),
+    raises(
+        "use_ropelib_rope", TypeError, "model must be a torch.nn.Module", lambda: rl.use_ropelib_rope(3).__enter__()
+    ),
+    gives("default_device", lambda r: r.type in ("cpu", "cuda"), rl.default_device),
+    gives("device_name", lambda r: isinstance(r, str) and "threads" in r, lambda: rl.device_name("cpu")),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c.name}-{i}" for i, c in enumerate(CASES)])
+def test_hostile_call(case: Case) -> None:
+    if case.error is None:
+        result = case.call()
+        assert case.check is not None and case.check(result), f"{case.name}: wrong result {result!r}"[:500]
+        return
+    with pytest.raises(case.error) as info:
+        case.call()
+    assert info.type in (TypeError, ValueError), info.type
+    assert re.search(case.match, str(info.value)), f"{case.name}: {info.value}"
+
+
+def test_every_public_name_is_swept() -> None:
+    swept = {case.name for case in CASES}
+    missing = [name for name in rl.__all__ if name not in swept]
+    assert not missing, f"public names with no hostile case: {missing}"
