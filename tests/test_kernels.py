@@ -293,3 +293,22 @@ def test_out_of_range_positions_never_give_numbers_under_compile(kernel: str) ->
             compiled(q, k, torch.tensor(bad))
     with pytest.raises(ValueError, match="positions must be >= 0"):  # eager on the CPU: a ValueError
         rotary_qk(q, k, cos, sin, torch.tensor([0, -1]), kernel=kernel)
+
+
+@LAYOUT
+@pytest.mark.parametrize("few", [True, False])
+def test_torch_kernel_paths_for_few_and_many_tokens(layout: str, few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The PyTorch kernel rotates a few tokens (decoding) with list operations and many with
+    # whole-tensor ones; both against the rotation matrices, in place and out of place, partial rotary.
+    import ropelib.kernels.torch_kernel as torch_kernel
+
+    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 1 << 30 if few else 0)
+    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
+    cos, sin = tables(12, 40)
+    positions = torch.tensor([[0, 3, 39, 7, 7], [1, 2, 3, 4, 5]])
+    q2, k2 = rotary_qk(q, k, cos, sin, positions, layout=layout, kernel="torch")
+    check(q2, rotate_ref(q, positions, theta=THETA, layout=layout, rotary_dim=12), q)
+    check(k2, rotate_ref(k, positions, theta=THETA, layout=layout, rotary_dim=12), k)
+    qi, ki = q.clone(), k.clone()
+    rotary_qk(qi, ki, cos, sin, positions, layout=layout, kernel="torch", inplace=True)
+    assert torch.equal(qi, q2) and torch.equal(ki, k2)

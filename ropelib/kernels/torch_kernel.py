@@ -129,6 +129,39 @@ def _rotate_whole(
     dst[..., 1, :].addcmul_(a, s)
 
 
+#: At most this many elements of q and k together (a decoding step: a few tokens) take the
+#: few-operations path of the half layout, where the cost of a call is the number of operations.
+FEW_ELEMENTS = 1 << 14
+
+
+def _rotate_half_few(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    *,
+    copy_rest: bool,
+) -> None:
+    """The "half" rotation of small ``q``/``k`` in three list operations for both (cos/sin ``[B, S, r/2]``).
+
+    ``(a, b) -> (a c - b s, b c + a s)`` for the four halves at once: one ``_foreach_mul``, one
+    ``_foreach_addcmul_`` and one ``_foreach_copy_`` (safe in place: the products are new tensors).
+    """
+    r2 = cos.shape[-1]
+    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, S, 1, r/2]: broadcast over heads
+    halves = [q[..., :r2], q[..., r2 : 2 * r2], k[..., :r2], k[..., r2 : 2 * r2]]
+    rotated = torch._foreach_mul(halves, [c, c, c, c])
+    minus_s = -s
+    torch._foreach_addcmul_(rotated, [halves[1], halves[0], halves[3], halves[2]], [minus_s, s, minus_s, s])
+    targets = [q_out[..., :r2], q_out[..., r2 : 2 * r2], k_out[..., :r2], k_out[..., r2 : 2 * r2]]
+    torch._foreach_copy_(targets, rotated)
+    if copy_rest:
+        q_out[..., 2 * r2 :].copy_(q[..., 2 * r2 :])
+        k_out[..., 2 * r2 :].copy_(k[..., 2 * r2 :])
+
+
 def rotate_qk_torch(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -157,6 +190,9 @@ def rotate_qk_torch(
         sin_t = -sin_t
     in_place = q_out.data_ptr() == q.data_ptr()
     head_dim = q.shape[-1]
+    if q.dtype == compute and (q.numel() + k.numel()) <= FEW_ELEMENTS and not interleaved:
+        _rotate_half_few(q, k, q_out, k_out, cos_t, sin_t, copy_rest=not in_place and 2 * r2 < head_dim)
+        return
     if q.dtype == compute:
         phase = torch.complex(cos_t, sin_t) if interleaved else None
         for x, out in ((q, q_out), (k, k_out)):
