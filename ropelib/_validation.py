@@ -68,24 +68,22 @@ def check_bool(value: object, name: str) -> bool:
     return value
 
 
-def check_real(value: object, name: str) -> float:
-    """A finite real number (no NaN, no infinity, no bool)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not math.isfinite(value):
-        raise ValueError(f"{name} must be finite, got {value}")
-    return value
-
-
 def check_positive_float(value: object, name: str) -> float:
     """A finite real number > 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {type(value).__name__}")
-    value = float(value)
-    if not (value > 0.0 and value < float("inf")):
-        raise ValueError(f"{name} must be a finite number > 0, got {value}")
-    return value
+    if not (float(value) > 0.0 and math.isfinite(float(value))):
+        raise ValueError(f"{name} must be a finite number > 0, got {float(value)}")
+    return float(value)
+
+
+def check_heads(embed_dim: object, num_heads: object) -> tuple[int, int, int]:
+    """``(embed_dim, num_heads, head_dim)`` for an attention layer: positive ints, ``num_heads`` dividing ``embed_dim``."""
+    embed = check_int(embed_dim, "embed_dim", minimum=1)
+    heads = check_int(num_heads, "num_heads", minimum=1)
+    if embed % heads:
+        raise ValueError(f"num_heads={heads} must divide embed_dim={embed}")
+    return embed, heads, embed // heads
 
 
 def check_choice(value: object, name: str, choices: Sequence[str]) -> str:

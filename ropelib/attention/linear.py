@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import check_bool, check_float_tensor, check_int, check_positions, check_positive_float
+from .._validation import check_bool, check_float_tensor, check_heads, check_int, check_positions, check_positive_float
 from ..rotary import RotaryEmbedding
 from .mha import causal_mask, split_heads
 
@@ -167,12 +167,8 @@ class LinearAttention(nn.Module):
         bias: bool = False,
     ) -> None:
         super().__init__()
-        self.embed_dim = check_int(embed_dim, "embed_dim", minimum=1)
-        self.num_heads = check_int(num_heads, "num_heads", minimum=1)
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
+        self.embed_dim, self.num_heads, self.head_dim = check_heads(embed_dim, num_heads)
         self.causal = check_bool(causal, "causal")
-        self.head_dim = self.embed_dim // self.num_heads
         self.qkv_proj = nn.Linear(self.embed_dim, 3 * self.embed_dim, bias=bias)
         self.out_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=bias)
         self.rope = RotaryEmbedding(self.head_dim, theta=theta, layout=layout) if rope else None

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .._validation import check_bool, check_choice, check_float_tensor, check_int, check_positions
+from .._validation import check_bool, check_choice, check_float_tensor, check_heads, check_int, check_positions
 from .plugs import PLUGS
 
 #: The ``position`` argument of :class:`MultiHeadAttention` (the keys of :data:`ropelib.attention.plugs.PLUGS`).
@@ -68,10 +68,7 @@ class MultiHeadAttention(nn.Module):
         **position_options: Any,
     ) -> None:
         super().__init__()
-        self.embed_dim = check_int(embed_dim, "embed_dim", minimum=1)
-        self.num_heads = check_int(num_heads, "num_heads", minimum=1)
-        if self.embed_dim % self.num_heads:
-            raise ValueError(f"num_heads={self.num_heads} must divide embed_dim={self.embed_dim}")
+        self.embed_dim, self.num_heads, self.head_dim = check_heads(embed_dim, num_heads)
         self.num_kv_heads = (
             self.num_heads if num_kv_heads is None else check_int(num_kv_heads, "num_kv_heads", minimum=1)
         )
@@ -82,7 +79,6 @@ class MultiHeadAttention(nn.Module):
         self.position = check_choice(position, "position", POSITION_ENCODINGS)
         self.plug = PLUGS[self.position]
         self.causal = causal
-        self.head_dim = self.embed_dim // self.num_heads
         kv_dim = self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(self.embed_dim, self.embed_dim, bias=bias)
         self.k_proj = nn.Linear(self.embed_dim, kv_dim, bias=bias)
