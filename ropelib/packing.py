@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import check_int
+from ._validation import check_int, values_readable
 
 
 def check_cu_seqlens(cu_seqlens: object, total_tokens: object = None, name: str = "cu_seqlens") -> torch.Tensor:
@@ -44,10 +44,10 @@ def check_cu_seqlens(cu_seqlens: object, total_tokens: object = None, name: str 
     values start at 0, never decrease, and end at ``total_tokens`` when that is given
     (:class:`ValueError`).
 
-    The value checks read the tensor on the host (one device-to-host copy). They are the only
-    such read in this module and are skipped under :func:`torch.compile`
-    (``torch.compiler.is_compiling()``), where a data-dependent branch would break the graph;
-    the kind and shape checks always run.
+    The value checks follow the rule of :mod:`ropelib._validation`: eager on the CPU the values are
+    read (they are host memory) and a bad one raises :class:`ValueError`; on a GPU or under
+    :func:`torch.compile` they are queued as a device-side assertion (no synchronisation, no graph
+    break). The kind and shape checks always run.
 
     Args:
         cu_seqlens: ``[num_docs + 1]`` integer tensor, e.g. ``[0, 3, 3, 8, 10]``.
@@ -67,9 +67,16 @@ def check_cu_seqlens(cu_seqlens: object, total_tokens: object = None, name: str 
         raise ValueError(f"{name} must have at least one entry (cu_seqlens[0] = 0), got an empty tensor")
     if total_tokens is not None and not isinstance(total_tokens, torch.SymInt):  # a SymInt under torch.compile
         total_tokens = check_int(total_tokens, "total_tokens", minimum=0)
-    if torch.compiler.is_compiling():
+    if cu_seqlens.device.type == "meta":
         return cu_seqlens
-    values = cu_seqlens.detach().to("cpu", torch.int64).tolist()  # the one host read
+    if not values_readable(cu_seqlens):
+        cu = cu_seqlens.long()
+        ok = (cu[0] == 0) & (cu[1:] >= cu[:-1]).all()
+        if total_tokens is not None:
+            ok = ok & (cu[-1] == total_tokens)
+        torch._assert_async(ok, f"{name} must start at 0, never decrease and end at the number of tokens")
+        return cu_seqlens
+    values = cu_seqlens.detach().to(torch.int64).tolist()  # host memory already: no device is waited for
     if values[0] != 0:
         raise ValueError(f"{name}[0] must be 0, got {values[0]}")
     for i in range(len(values) - 1):
@@ -107,9 +114,14 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int | None = None) 
         [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
     """
     cu_seqlens = check_cu_seqlens(cu_seqlens, total_tokens)
+    total = int(cu_seqlens[-1]) if total_tokens is None else total_tokens  # int(...): a host read
+    return positions_in_documents(cu_seqlens, total)
+
+
+def positions_in_documents(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
+    """:func:`packed_positions` without argument checks (validated ``cu_seqlens``, known ``total_tokens``)."""
     cu = cu_seqlens.long()
-    total = int(cu[-1]) if total_tokens is None else total_tokens  # int(...): a host read
-    tokens = torch.arange(total, device=cu.device)
+    tokens = torch.arange(total_tokens, device=cu.device)
     # j(t) = (number of boundaries <= t) - 1; right=True skips the empty documents ending at t.
     doc = torch.searchsorted(cu, tokens, right=True) - 1
     return tokens - cu[doc]

@@ -44,6 +44,7 @@ from .config import rope_config
 from .frequencies import angle_tables
 from .kernels.ops import BACKENDS, choose_kernel, rotate_qk
 from .layouts import LAYOUTS
+from .packing import check_cu_seqlens, positions_in_documents
 from .reference import rotate
 from .scaling import ROPE_SCALINGS, frequency_seq_len, inverse_frequencies64, rope_type_of
 
@@ -242,9 +243,55 @@ class RotaryEmbedding(nn.Module):
         return torch.arange(positions.numel(), device=positions.device).view(positions.shape)
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None = None
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        if cu_seqlens is not None:
+            return self.rotate_packed(q, k, positions, cu_seqlens)
         return self.rotate(q, k, self.check_qk(q, k, positions))
+
+    def rotate_packed(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``forward(q, k, cu_seqlens=...)``: a packed row of documents, positions restarting at 0 in each.
+
+        ``q``/``k`` are ``[1, tokens, heads, head_dim]`` or ``[tokens, heads, head_dim]`` (flash-attn's
+        varlen layout); ``cu_seqlens`` the ``[num_docs + 1]`` cumulative lengths. No position exceeds
+        ``tokens - 1``, so the table of the first ``tokens`` positions (a shape, not a value) covers
+        them all, and the kernels find each token's document from ``cu_seqlens`` themselves.
+        """
+        if positions is not None:
+            raise ValueError("give positions or cu_seqlens, not both: cu_seqlens defines the positions")
+        flat = isinstance(q, torch.Tensor) and q.ndim == 3
+        if flat and isinstance(k, torch.Tensor):
+            q, k = q.unsqueeze(0), k.unsqueeze(0)
+        check_qk(q, k, head_dim=self.head_dim)
+        if q.shape[0] != 1:
+            raise ValueError(
+                f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}"
+            )
+        tokens = q.shape[1]
+        cu_seqlens = check_cu_seqlens(cu_seqlens, tokens)
+        if cu_seqlens.device != q.device:
+            raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+        if q.dtype == torch.float64 or self._follows_length:  # the general path, with explicit positions
+            q, k = self.rotate(q, k, positions_in_documents(cu_seqlens, tokens)[None])
+        else:
+            if torch.compiler.is_compiling():
+                cos, sin = self.rows(torch.arange(max(tokens, 1), device=q.device))
+            else:
+                cos, sin = self.cos_sin_cache(max(tokens, 1), q.device)
+            q = q if q.stride(-1) == 1 else q.contiguous()
+            k = k if k.stride(-1) == 1 else k.contiguous()
+            unused = torch.zeros(1, tokens, dtype=torch.long, device=q.device)
+            kernel = choose_kernel(self.backend, q.device)
+            interleaved = self.layout == "interleaved"
+            q, k = rotate_qk(q, k, cos, sin, unused, interleaved=interleaved, kernel=kernel, cu_seqlens=cu_seqlens)
+        return (q[0], k[0]) if flat else (q, k)
 
     def rotate(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None

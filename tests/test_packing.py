@@ -7,8 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from ropelib.kernels import rotary_qk
 from ropelib.packing import check_cu_seqlens, packed_positions
 from ropelib.rotary import RotaryEmbedding
+
+from references import rotate_ref
 
 
 def positions_loop(lengths: list[int]) -> list[int]:
@@ -128,3 +131,59 @@ def test_compiles_in_one_graph() -> None:
     lengths = [2, 0, 4, 1, 5]
     cu2 = torch.tensor(cumulative(lengths), dtype=torch.int32)
     assert compiled(cu2, sum(lengths)).tolist() == positions_loop(lengths)
+
+
+# ----------------------------------------------------------------------------- rotating a packed row
+
+
+@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("layout", ["half", "interleaved"])
+@pytest.mark.parametrize("flat", [True, False])
+def test_rotation_of_a_packed_row_restarts_in_each_document(kernel: str, layout: str, flat: bool) -> None:
+    # Expected: every document rotated from position 0 by the float64 rotation matrices, one at a time.
+    cu = torch.tensor([0, 3, 3, 8, 10], dtype=torch.int32)
+    q, k = torch.randn(1, 10, 4, 16), torch.randn(1, 10, 2, 16)
+    want_q = torch.cat([rotate_ref(q[:, a:b], torch.arange(b - a), layout=layout, rotary_dim=12) for a, b in
+                        zip(cu[:-1].tolist(), cu[1:].tolist())], 1)  # fmt: skip
+    want_k = torch.cat([rotate_ref(k[:, a:b], torch.arange(b - a), layout=layout, rotary_dim=12) for a, b in
+                        zip(cu[:-1].tolist(), cu[1:].tolist())], 1)  # fmt: skip
+    rope = RotaryEmbedding(16, layout=layout, rotary_dim=12, backend=kernel)
+    args = (q[0], k[0]) if flat else (q, k)
+    cos, sin = rope.cos_sin_cache(10)
+    for got_q, got_k in (
+        rope(*args, cu_seqlens=cu),
+        rotary_qk(*args, cos[:5], sin[:5], cu_seqlens=cu, layout=layout, kernel=kernel),  # longest document: 5
+    ):
+        got_q, got_k = (got_q[None], got_k[None]) if flat else (got_q, got_k)
+        # float32 rotation of values ~3 with float32 tables: a few ulps (8 * 2^-23 * max|x|)
+        assert (got_q.double() - want_q).abs().max() <= 8 * 2**-23 * q.abs().max()
+        assert (got_k.double() - want_k).abs().max() <= 8 * 2**-23 * k.abs().max()
+
+
+def test_packed_rotation_refuses_bad_input() -> None:
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 1, 8)
+    cos, sin = rope.cos_sin_cache(6)
+    with pytest.raises(ValueError, match="cu_seqlens\\[-1\\] must equal the number of tokens 6"):
+        rope(q, k, cu_seqlens=torch.tensor([0, 2, 5]))
+    with pytest.raises(ValueError, match="positions or cu_seqlens, not both"):
+        rope(q, k, torch.arange(6), cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="one packed row"):
+        rope(q.expand(2, 6, 2, 8), k.expand(2, 6, 1, 8), cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        rotary_qk(q, k, cos, sin, cu_seqlens=torch.tensor([0, 4, 2, 6]))
+    with pytest.raises(ValueError, match="document lengths must be < 4"):
+        rotary_qk(q, k, cos[:3], sin[:3], cu_seqlens=torch.tensor([0, 2, 6]))  # a document of 4 > 3 rows
+
+
+def test_packed_rotation_compiles_to_one_graph() -> None:
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 1, 8)
+    cu = torch.tensor([0, 2, 6])
+    torch._dynamo.reset()
+    explanation = torch._dynamo.explain(lambda q, k, cu: rope(q, k, cu_seqlens=cu))(q, k, cu)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, cu: rope(q, k, cu_seqlens=cu), fullgraph=True)
+    for got, want in zip(compiled(q, k, cu), rope(q, k, cu_seqlens=cu)):
+        torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)

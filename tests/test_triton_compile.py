@@ -66,6 +66,8 @@ def constexprs(interleaved: bool, rotary_dim: int, head_dim: int = 128) -> dict:
         "INTERLEAVED": interleaved,
         "CONJUGATE": False,
         "COPY_REST": rest > 0,
+        "VARLEN": False,
+        "SEARCH_STEPS": 1,
     }
 
 
@@ -74,6 +76,7 @@ CASES = [
     {"dtype": "bf16", "constexprs": constexprs(True, 128)},
     {"dtype": "fp32", "constexprs": {**constexprs(False, 64), "CONJUGATE": True}},
     {"dtype": "fp16", "constexprs": constexprs(True, 64)},
+    {"dtype": "bf16", "constexprs": {**constexprs(False, 128), "VARLEN": True, "SEARCH_STEPS": 4}},  # packed rows
 ]
 
 

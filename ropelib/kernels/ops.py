@@ -28,8 +28,9 @@ from typing import Any
 
 import torch
 
-from .._validation import check_bool, check_choice, check_float_tensor, check_positions, check_qk
+from .._validation import check_bool, check_choice, check_float_tensor, check_position_range, check_positions, check_qk
 from ..layouts import LAYOUTS
+from ..packing import check_cu_seqlens
 from .torch_kernel import rotate_qk_torch
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
@@ -86,21 +87,24 @@ def _rotary_qk_op(
     interleaved: bool,
     conjugate: bool,
     kernel: str,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    KERNELS[kernel](q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
+    KERNELS[kernel](
+        q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
+    )
     return q_out, k_out
 
 
 @_rotary_qk_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, conjugate, kernel):
+def _(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens=None):
     return q.new_empty(q.shape), k.new_empty(k.shape)
 
 
 def _setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-    _, _, cos, sin, positions, interleaved, conjugate, kernel = inputs
-    ctx.save_for_backward(cos, sin, positions)
+    _, _, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens = inputs
+    ctx.save_for_backward(cos, sin, positions, cu_seqlens)
     ctx.flags = (interleaved, conjugate, kernel)
 
 
@@ -109,11 +113,11 @@ def _unit_stride(g: torch.Tensor) -> torch.Tensor:
 
 
 def _backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-    cos, sin, positions = ctx.saved_tensors
+    cos, sin, positions, cu_seqlens = ctx.saved_tensors
     interleaved, conjugate, kernel = ctx.flags
     grad_q, grad_k = _unit_stride(grad_q), _unit_stride(grad_k)
-    dq, dk = _rotary_qk_op(grad_q, grad_k, cos, sin, positions, interleaved, not conjugate, kernel)
-    return dq, dk, None, None, None, None, None, None
+    dq, dk = _rotary_qk_op(grad_q, grad_k, cos, sin, positions, interleaved, not conjugate, kernel, cu_seqlens)
+    return dq, dk, None, None, None, None, None, None, None
 
 
 _rotary_qk_op.register_autograd(_backward, setup_context=_setup_context)
@@ -129,12 +133,15 @@ def _rotary_qk_inplace_op(
     interleaved: bool,
     conjugate: bool,
     kernel: str,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
-    KERNELS[kernel](q, k, q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
+    KERNELS[kernel](
+        q, k, q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
+    )
 
 
 @_rotary_qk_inplace_op.register_fake
-def _(q, k, cos, sin, positions, interleaved, conjugate, kernel):
+def _(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens=None):
     return None
 
 
@@ -152,12 +159,14 @@ def rotate_qk(
     conjugate: bool = False,
     kernel: str,
     inplace: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation behind :func:`~ropelib.rotary_qk`, for callers that have validated their arguments.
 
     ``q``/``k`` ``[B, S, H, D]`` with unit stride on ``D``; ``cos``/``sin`` contiguous ``[L, r/2]`` in the
     compute dtype; ``positions`` int64, ``[B, S]`` (a broadcast view is fine), all in ``[0, L)``;
-    ``kernel`` a key of :data:`KERNELS`. Eager calls that record no gradient go straight to the
+    ``kernel`` a key of :data:`KERNELS`; ``cu_seqlens`` (validated, a packed row of batch 1) replaces
+    ``positions`` by the positions within each document. Eager calls that record no gradient go straight to the
     launcher; the others (autograd, :func:`torch.compile`) through the custom operators.
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
@@ -166,12 +175,14 @@ def rotate_qk(
             q_out, k_out = q, k
         else:
             q_out, k_out = torch.empty_like(q), torch.empty_like(k)
-        KERNELS[kernel](q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
+        KERNELS[kernel](
+            q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
+        )
         return q_out, k_out
     if inplace:
-        _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel)
+        _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
         return q, k
-    return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel)
+    return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
 
 
 # ----------------------------------------------------------------------------- the public door
@@ -268,6 +279,7 @@ def rotary_qk(
     inplace: bool = False,
     conjugate: bool = False,
     kernel: str = "auto",
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) in one fused call, gathering cos/sin by position.
 
@@ -288,6 +300,11 @@ def rotary_qk(
         inplace: overwrite ``q`` and ``k`` (no autograd) and return them. They must not overlap.
         conjugate: rotate by ``-theta`` instead (what the backward pass does).
         kernel: ``"auto"`` (see :func:`~ropelib.choose_kernel`), ``"torch"`` or ``"triton"``.
+        cu_seqlens: for a packed row of several documents (flash-attn's varlen format): the
+            ``[num_docs + 1]`` cumulative lengths (int32/int64, from 0 to the number of tokens);
+            positions then restart at 0 in every document (:func:`~ropelib.packed_positions`) and
+            ``positions`` must be None. ``q``/``k`` are ``[1, tokens, heads, head_dim]`` or
+            ``[tokens, heads, head_dim]``. The Triton kernel finds each token's document itself.
 
     Returns:
         ``(q_rotated, k_rotated)`` in the input dtypes. Differentiable with respect to ``q`` and
@@ -302,6 +319,8 @@ def rotary_qk(
         >>> torch.allclose(q2, rope(q, q)[0], atol=1e-6), k2.shape
         (True, torch.Size([1, 4, 1, 8]))
     """
+    if cu_seqlens is not None:
+        return _rotary_qk_packed(q, k, cos, sin, positions, layout, inplace, conjugate, kernel, cu_seqlens)
     check_qk(q, k)
     cos, sin = _check_tables(cos, sin, q)
     interleaved = check_choice(layout, "layout", LAYOUTS) == "interleaved"
@@ -325,3 +344,57 @@ def rotary_qk(
     return rotate_qk(
         q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, kernel=kernel, inplace=inplace
     )
+
+
+def _rotary_qk_packed(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor | None,
+    layout: str,
+    inplace: bool,
+    conjugate: bool,
+    kernel: str,
+    cu_seqlens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`rotary_qk` for a packed row described by ``cu_seqlens``."""
+    if positions is not None:
+        raise ValueError("give positions or cu_seqlens, not both: cu_seqlens defines the positions")
+    flat = isinstance(q, torch.Tensor) and q.ndim == 3
+    if flat and isinstance(k, torch.Tensor):
+        q, k = q.unsqueeze(0), k.unsqueeze(0)
+    check_qk(q, k)
+    if q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}")
+    cos, sin = _check_tables(cos, sin, q)
+    interleaved = check_choice(layout, "layout", LAYOUTS) == "interleaved"
+    kernel = choose_kernel(kernel, q.device)
+    check_bool(inplace, "inplace")
+    check_bool(conjugate, "conjugate")
+    tokens = q.shape[1]
+    cu_seqlens = check_cu_seqlens(cu_seqlens, tokens)
+    if cu_seqlens.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+    if cos.shape[0] < tokens:  # a document longer than the table would read past it
+        lengths = cu_seqlens[1:] - cu_seqlens[:-1]
+        check_position_range(lengths, "cu_seqlens' document lengths", minimum=None, limit=cos.shape[0] + 1)
+    if inplace:
+        _check_inplace(q, k)
+    else:
+        q = q if q.stride(-1) == 1 else q.contiguous()
+        k = k if k.stride(-1) == 1 else k.contiguous()
+    unused = torch.zeros(1, tokens, dtype=torch.long, device=q.device)  # positions come from cu_seqlens
+    q, k = rotate_qk(
+        q,
+        k,
+        cos,
+        sin,
+        unused,
+        interleaved=interleaved,
+        conjugate=conjugate,
+        kernel=kernel,
+        inplace=inplace,
+        cu_seqlens=cu_seqlens,
+    )
+    return (q[0], k[0]) if flat else (q, k)

@@ -21,6 +21,8 @@ from collections.abc import Iterator
 
 import torch
 
+from ..packing import positions_in_documents
+
 BLOCK_BYTES = 4 << 20  # per block of tokens (low-precision inputs), q and k together
 
 
@@ -173,8 +175,12 @@ def rotate_qk_torch(
     *,
     interleaved: bool,
     conjugate: bool,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
+
+    With ``cu_seqlens`` (a packed row of batch 1) the positions are those of the documents,
+    :func:`ropelib.packing.positions_in_documents`, and ``positions`` is not read.
 
     Same contract as :func:`~ropelib.kernels.triton_kernel.launch_rotary_qk`: ``q`` ``[B, S, Hq, D]``,
     ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin`` the ``[L, r/2]`` cache
@@ -185,6 +191,8 @@ def rotate_qk_torch(
     """
     r2 = cos.shape[-1]
     compute = cos.dtype
+    if cu_seqlens is not None:
+        positions = positions_in_documents(cu_seqlens, q.shape[1])[None]
     cos_t, sin_t = cos[positions], sin[positions]  # [B, S, r/2]: gathered once for q and k
     if conjugate:
         sin_t = -sin_t

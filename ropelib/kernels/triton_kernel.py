@@ -99,6 +99,22 @@ def _rotate_head_block(  # type: ignore[no-untyped-def]
 
 
 @jit
+def _document_start(CU, token, num_docs, SEARCH_STEPS: tl.constexpr):  # type: ignore[no-untyped-def]
+    """``cu[j]`` for the largest ``j < num_docs`` with ``cu[j] <= token``: a binary search of ``SEARCH_STEPS`` steps.
+
+    Empty documents (equal neighbours) are skipped because the search takes the largest such ``j``.
+    """
+    lo = token * 0
+    hi = lo + num_docs - 1
+    for _ in tl.static_range(SEARCH_STEPS):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(CU + mid) <= token
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    return tl.load(CU + lo)
+
+
+@jit
 def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     Q,
     K,
@@ -135,13 +151,18 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     INTERLEAVED: tl.constexpr,
     CONJUGATE: tl.constexpr,
     COPY_REST: tl.constexpr,
+    VARLEN: tl.constexpr,
+    SEARCH_STEPS: tl.constexpr,
 ):
     """Grid ``(batch * seq, q_blocks + k_blocks)``; see the module docstring."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     b = token // seq_len
     s = token % seq_len
-    pos = tl.load(POS + b * stride_pb + s * stride_ps)
+    if VARLEN:  # POS is cu_seqlens [num_docs + 1] of a packed row (batch 1): find the token's document
+        pos = s - _document_start(POS, s, stride_pb, SEARCH_STEPS)  # stride_pb holds num_docs here
+    else:
+        pos = tl.load(POS + b * stride_pb + s * stride_ps)
     pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)  # memory safety; the host validates the range
     pairs = tl.arange(0, BLOCK_R2)
     pair_ok = pairs < ROTARY_DIM // 2
@@ -204,8 +225,12 @@ def launch_rotary_qk(
     *,
     interleaved: bool,
     conjugate: bool,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
+
+    With ``cu_seqlens`` (``[num_docs + 1]``, a packed row of batch 1) ``positions`` is not read: each
+    program finds its token's document by a binary search of ``cu_seqlens`` and counts from its start.
 
     Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin``
     ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any strides, 0 for a shared row).
@@ -220,6 +245,9 @@ def launch_rotary_qk(
     if grid[0] == 0:
         return
     rest = head_dim - rotary_dim
+    varlen = cu_seqlens is not None
+    cu = cu_seqlens.to(torch.int64) if cu_seqlens is not None else positions
+    num_docs = cu.shape[0] - 1 if varlen else 0
     rotary_qk_kernel[grid](
         q,
         k,
@@ -227,7 +255,7 @@ def launch_rotary_qk(
         k_out,
         cos,
         sin,
-        positions,
+        cu if varlen else positions,
         seq,
         cos.shape[0],
         q_heads,
@@ -237,7 +265,7 @@ def launch_rotary_qk(
         *k.stride()[:3],
         *q_out.stride()[:3],
         *k_out.stride()[:3],
-        *positions.stride(),
+        *((num_docs, 0) if varlen else positions.stride()),
         cos.stride(0),
         ROTARY_DIM=rotary_dim,
         HEAD_DIM=head_dim,
@@ -246,6 +274,8 @@ def launch_rotary_qk(
         BLOCK_REST=triton.next_power_of_2(max(rest, 1)),
         INTERLEAVED=interleaved,
         CONJUGATE=conjugate,
+        VARLEN=varlen,
+        SEARCH_STEPS=max(1, (num_docs - 1).bit_length()) if varlen else 1,
         COPY_REST=rest > 0 and q_out.data_ptr() != q.data_ptr(),
         num_warps=4,
     )
