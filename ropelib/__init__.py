@@ -28,6 +28,7 @@ from .frequencies import cos_sin_table
 from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope
 from .kernels import BACKENDS, KERNELS, choose_kernel, rotary_qk
 from .layouts import LAYOUTS, convert_rotary_layout, layout_permutation, rotate_half
+from .mrope import MRotaryEmbedding, mrope_axes, mrope_positions
 from .packing import packed_positions
 from .reference import apply_rotary
 from .rotary import RotaryEmbedding
@@ -43,6 +44,7 @@ __all__ = [
     "LAYOUTS",
     "LearnedPositionalEmbedding",
     "LinearAttention",
+    "MRotaryEmbedding",
     "MultiHeadAttention",
     "POSITION_ENCODINGS",
     "ROPE_SCALINGS",
@@ -66,6 +68,8 @@ __all__ = [
     "layout_permutation",
     "linear_attention",
     "linear_attention_weights",
+    "mrope_axes",
+    "mrope_positions",
     "packed_positions",
     "patch_hf_rope",
     "precompute_pos_cis",

@@ -430,16 +430,30 @@ def test_rejects_per_layer_rope_parameters_and_leaves_model_unchanged() -> None:
     assert model.model.rotary_emb is original_module
 
 
-def tiny_cohere() -> torch.nn.Module:
-    """A one-layer Cohere model: its tables repeat each angle side by side (interleaved), not in halves."""
-    config = transformers.CohereConfig(**{**TINY, "num_hidden_layers": 1})
-    return transformers.CohereForCausalLM(config)
+class InterleavedTablesRotaryEmbedding(transformers.models.llama.modeling_llama.LlamaRotaryEmbedding):
+    """Llama's rotary module writing each angle twice side by side (Cohere's tables) for Llama's rotate_half."""
+
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        freqs = position_ids[..., None].float() * self.inv_freq.to(x.device)
+        emb = torch.repeat_interleave(freqs, 2, dim=-1)
+        return emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+
+
+def tiny_unknown_tables() -> torch.nn.Module:
+    """A one-layer Llama whose rotary module (of no known family) repeats each angle side by side, not in halves.
+
+    (Cohere does this with its own interleaved rotation, and is now a family of its own: see
+    test_new_families_match_unpatched; this module pairs such tables with the Llama template.)
+    """
+    model = tiny_model("llama", num_hidden_layers=1)
+    model.model.rotary_emb = InterleavedTablesRotaryEmbedding(model.config)
+    return model
 
 
 def test_rejects_a_model_with_interleaved_tables() -> None:
-    # Cohere writes each angle twice side by side (repeat_interleave), not in two halves: the
-    # patch-time probe sees that ropelib's tables differ and refuses.
-    model = tiny_cohere()
+    # The module writes each angle twice side by side (repeat_interleave), not in two halves: the
+    # patch-time probe sees that ropelib's tables for the Llama template differ and refuses.
+    model = tiny_unknown_tables()
     original_module = model.model.rotary_emb
     with pytest.raises(ValueError, match="does not reproduce"):
         patch_hf_rope(model)
@@ -463,7 +477,7 @@ def test_model_cast_to_bfloat16_is_patched_with_exact_tables() -> None:
 
 
 def test_coarse_probe_still_refuses_a_different_layout() -> None:
-    model = tiny_cohere().to(torch.bfloat16)
+    model = tiny_unknown_tables().to(torch.bfloat16)
     with pytest.raises(ValueError, match="does not reproduce"):
         patch_hf_rope(model)
 
@@ -483,3 +497,296 @@ def test_rotary_module_input_checks() -> None:
 def test_exported_from_the_package() -> None:
     for name in ("HFRotaryEmbedding", "patch_hf_rope", "unpatch_hf_rope", "use_ropelib_rope"):
         assert getattr(ropelib, name) is getattr(hf, name)
+
+
+# ----------------------------------------------------------------------------- families beyond the Llama template
+
+# Token ids 0 (pad), 1 (eos) and 2 (bos) inside the vocabulary of 100, so that configs don't warn.
+SPECIAL = dict(initializer_range=0.1, pad_token_id=0, eos_token_id=1, bos_token_id=2)
+
+
+def tiny_glm() -> torch.nn.Module:
+    # GLM's default partial_rotary_factor of 0.5: the first 8 of 16 features, rotated in interleaved pairs.
+    return transformers.GlmForCausalLM(transformers.GlmConfig(**TINY, **SPECIAL))
+
+
+def tiny_cohere() -> torch.nn.Module:
+    # logit_scale 1 (not Cohere's 0.0625), so that the logits are as sensitive as the other models'.
+    return transformers.CohereForCausalLM(transformers.CohereConfig(**TINY, **SPECIAL, logit_scale=1.0))
+
+
+def tiny_gptj() -> torch.nn.Module:
+    config = transformers.GPTJConfig(
+        n_embd=64, n_head=4, n_layer=2, rotary_dim=8, vocab_size=100, n_positions=64, **SPECIAL
+    )
+    return transformers.GPTJForCausalLM(config)
+
+
+def tiny_llama4() -> torch.nn.Module:
+    # Layer 0 with RoPE, layer 1 without (NoPE, as every fourth layer of Llama 4): ropelib must leave it alone.
+    config = transformers.Llama4TextConfig(
+        **TINY, **SPECIAL, intermediate_size_mlp=128, head_dim=16, num_local_experts=2, no_rope_layers=[1, 0]
+    )
+    return transformers.Llama4ForCausalLM(config)
+
+
+def tiny_gemma3() -> torch.nn.Module:
+    # A local layer (sliding window 4, base 10 000) and a global one (base 10^6, linear scaling by 4).
+    rope_parameters = {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        "full_attention": {"rope_type": "linear", "factor": 4.0, "rope_theta": 1e6},
+    }
+    config = transformers.Gemma3TextConfig(
+        **TINY,
+        **SPECIAL,
+        head_dim=16,
+        layer_types=["sliding_attention", "full_attention"],
+        sliding_window=4,
+        rope_parameters=rope_parameters,
+    )
+    return transformers.Gemma3ForCausalLM(config)
+
+
+def tiny_qwen2_vl() -> torch.nn.Module:
+    # M-RoPE with mrope_section (2, 3, 3) of the 8 frequency pairs; a one-block vision tower (unused by text).
+    text = dict(
+        **TINY,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2)
+    config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **SPECIAL)
+    return transformers.Qwen2VLForConditionalGeneration(config)
+
+
+def tiny_qwen2_5_vl() -> torch.nn.Module:
+    text = dict(
+        **TINY,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        spatial_merge_size=2,
+        fullatt_block_indexes=[0],
+    )
+    config = transformers.Qwen2_5_VLConfig(text_config=text, vision_config=vision, **SPECIAL)
+    return transformers.Qwen2_5_VLForConditionalGeneration(config)
+
+
+def tiny_qwen3_vl() -> torch.nn.Module:
+    # Qwen3-VL's interleaved M-RoPE: pairs 1, 4 to height, 2, 5 to width (3 * 2 < 8), the rest to time.
+    text = dict(
+        **TINY,
+        head_dim=16,
+        initializer_range=0.1,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
+    )
+    vision = dict(
+        depth=1,
+        hidden_size=32,
+        intermediate_size=64,
+        num_heads=2,
+        out_hidden_size=64,
+        patch_size=2,
+        spatial_merge_size=2,
+        deepstack_visual_indexes=[0],
+        num_position_embeddings=16,
+    )
+    config = transformers.Qwen3VLConfig(text_config=text, vision_config=vision, **SPECIAL)
+    return transformers.Qwen3VLForConditionalGeneration(config)
+
+
+# name -> (builder, rotate_qk calls per forward pass): one per RoPE layer (q and k together), two for
+# GPT-J (which rotates q and k in separate calls), one for Llama 4 (its second layer is NoPE).
+NEW_FAMILIES = {
+    "glm": (tiny_glm, 2),
+    "cohere": (tiny_cohere, 2),
+    "gptj": (tiny_gptj, 4),
+    "llama4": (tiny_llama4, 1),
+    "gemma3": (tiny_gemma3, 2),
+    "qwen2_vl": (tiny_qwen2_vl, 2),
+    "qwen2_5_vl": (tiny_qwen2_5_vl, 2),
+    "qwen3_vl": (tiny_qwen3_vl, 2),
+}
+
+
+def new_family_model(name: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return NEW_FAMILIES[name][0]().eval()
+
+
+def rotary_modules(model: torch.nn.Module) -> list[torch.nn.Module]:
+    return [m for m in model.modules() if isinstance(m, HFRotaryEmbedding)]
+
+
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_new_families_match_unpatched(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Prefill (left-padded with explicit positions, then default positions), and greedy generation
+    # with and without a KV cache: same logits (LOGIT_ATOL, module docstring) and the same tokens.
+    reference = new_family_model(name)
+    patched = patched_copy(reference)
+    assert len(rotary_modules(patched)) == 1
+    ids, mask = left_padded_batch([12, 9, 5], total=12)
+    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_qk")
+    with torch.no_grad():
+        for kwargs in ({"attention_mask": mask, "position_ids": positions_from_mask(mask)}, {}):
+            assert_logits_close(
+                reference(ids, **kwargs).logits, patched(ids, **kwargs).logits, mask if kwargs else None
+            )
+        assert ropelib_calls[0] == 2 * NEW_FAMILIES[name][1]  # every RoPE layer went through ropelib
+        for use_cache in (True, False):
+            options = dict(
+                attention_mask=mask,
+                max_new_tokens=6,
+                do_sample=False,
+                use_cache=use_cache,
+                output_logits=True,
+                return_dict_in_generate=True,
+            )
+            expected = reference.generate(ids, **options)
+            got = patched.generate(ids, **options)
+            assert torch.equal(expected.sequences, got.sequences), use_cache
+            for want, have in zip(expected.logits, got.logits):
+                assert_logits_close(want, have)
+
+
+@pytest.mark.parametrize("name", list(NEW_FAMILIES))
+def test_new_families_are_sensitive_to_rope(name: str) -> None:
+    # The power of the comparison above, for each family: positions spread twice as far apart
+    # (relative distances doubled) change the logits by far more than LOGIT_ATOL.
+    model = new_family_model(name)
+    ids, _ = left_padded_batch([12], total=12)
+    with torch.no_grad():
+        near = model(ids, position_ids=torch.arange(12)[None]).logits
+        far = model(ids, position_ids=2 * torch.arange(12)[None]).logits
+    assert (near - far).abs().max().item() > 100 * LOGIT_ATOL
+
+
+def test_gemma3_builds_one_rope_per_layer_type() -> None:
+    model = patch_hf_rope(new_family_model("gemma3"))
+    rotary = model.model.rotary_emb
+    assert rotary.layer_types == ["full_attention", "sliding_attention"]
+    assert rotary.ropes["sliding_attention"].theta == 10000.0 and rotary.ropes["sliding_attention"].scaling is None
+    assert rotary.ropes["full_attention"].theta == 1e6
+    assert rotary.ropes["full_attention"].scaling == {"rope_type": "linear", "factor": 4.0}
+    with pytest.raises(ValueError, match="layer_type must be one of"):
+        rotary(torch.zeros(1), torch.arange(3)[None])
+    unpatch_hf_rope(model)
+
+
+@pytest.mark.parametrize("name", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_qwen_vl_multimodal_positions_match_unpatched(name: str) -> None:
+    # Three-axis positions of text, a 1 x 4 x 6 patch grid (2 x 3 tokens after the 2 x 2 merge), text:
+    # each frequency pair takes the position of its axis, in transformers as in ropelib.
+    reference = new_family_model(name)
+    patched = patched_copy(reference)
+    positions = ropelib.mrope.mrope_positions([3, (1, 4, 6), 4], spatial_merge_size=2)[:, None].expand(3, 2, -1)
+    ids, _ = left_padded_batch([13, 13], total=13)
+    with torch.no_grad():
+        expected = reference(ids, position_ids=positions).logits
+        got = patched(ids, position_ids=positions).logits
+        text_only = reference(ids).logits
+    assert_logits_close(expected, got)
+    assert (expected - text_only).abs().max().item() > 100 * LOGIT_ATOL  # the image positions matter
+
+
+def test_qwen2_vl_vision_rotary_module_is_left_alone() -> None:
+    model = patch_hf_rope(new_family_model("qwen2_vl"))
+    assert type(model.model.visual.rotary_pos_emb).__name__ == "Qwen2VLVisionRotaryEmbedding"
+    assert model.model.language_model.rotary_emb.mrope.mrope_section == (2, 3, 3)
+    unpatch_hf_rope(model)
+
+
+def test_probe_refuses_an_apply_function_of_another_layout(monkeypatch: pytest.MonkeyPatch) -> None:
+    # GLM's row says "interleaved"; a modeling module whose function rotates halves is refused.
+    from transformers.models.glm import modeling_glm
+    from transformers.models.llama import modeling_llama
+
+    monkeypatch.setattr(modeling_glm, "apply_rotary_pos_emb", modeling_llama.apply_rotary_pos_emb)
+    model = new_family_model("glm")
+    original_module = model.model.rotary_emb
+    with pytest.raises(ValueError, match="is not the 'interleaved'-layout rotation"):
+        patch_hf_rope(model)
+    assert model.model.rotary_emb is original_module
+    assert modeling_glm.apply_rotary_pos_emb is modeling_llama.apply_rotary_pos_emb
+
+
+def test_probe_refuses_an_mrope_section_that_does_not_fit() -> None:
+    # Qwen2-VL's default mrope_section (16, 24, 24) is for 64 pairs; this model has 8.
+    model = new_family_model("qwen2_vl")
+    model.model.language_model.rotary_emb.mrope_section = [16, 24, 24]
+    with pytest.raises(ValueError, match="mrope_section must sum to"):
+        patch_hf_rope(model)
+    assert type(model.model.language_model.rotary_emb).__name__ == "Qwen2VLRotaryEmbedding"
+
+
+@pytest.mark.parametrize("name", ["gptj", "llama4"])
+def test_unpatch_restores_other_signatures(name: str) -> None:
+    # The two families whose functions have signatures of their own get their originals back.
+    import importlib
+
+    py_module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+    apply_name = "apply_rotary_emb" if name == "llama4" else "apply_rotary_pos_emb"
+    original_function = getattr(py_module, apply_name)
+    model = new_family_model(name)
+    original_module = model.model.rotary_emb if name == "llama4" else model.transformer.rotary_emb
+    ids, _ = left_padded_batch([8], total=8)
+    with torch.no_grad():
+        before = model(ids).logits
+        patch_hf_rope(model)
+        assert isinstance(getattr(py_module, apply_name), hf.apply.RopelibApply)
+        unpatch_hf_rope(model)
+        after = model(ids).logits
+    assert getattr(py_module, apply_name) is original_function
+    assert original_module in list(model.modules())
+    assert torch.equal(before, after)
+
+
+def test_new_arguments_are_checked() -> None:
+    config = tiny_model("llama").config
+    with pytest.raises(ValueError, match="output must be one of"):
+        HFRotaryEmbedding(config, output="halves")
+    with pytest.raises(TypeError, match="rope_options must be a non-empty dict"):
+        HFRotaryEmbedding(config, rope_options={})
+    two = {t: ropelib.rope_config(hf.module.config_dict(config)) for t in ("full_attention", "sliding_attention")}
+    with pytest.raises(ValueError, match="mrope_section needs a single RoPE setting"):
+        HFRotaryEmbedding(config, rope_options=two, mrope_section=[2, 3, 3])
+    with pytest.raises(TypeError, match="mrope_interleaved must be a bool"):
+        HFRotaryEmbedding(config, mrope_section=[2, 3, 3], mrope_interleaved="yes")  # type: ignore[arg-type]
+    mrope = HFRotaryEmbedding(config, mrope_section=[2, 3, 3])
+    with pytest.raises(ValueError, match=r"position_ids must have shape \[3, batch, seq\]"):
+        mrope(torch.zeros(1), torch.zeros(2, 1, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="layout must be one of"):
+        hf.families.Family("x", lambda m: False, "apply_rotary_pos_emb", "diagonal")
+    with pytest.raises(ValueError, match="signature must be one of"):
+        hf.families.Family("x", lambda m: False, "apply_rotary_pos_emb", "half", signature="q_only")
+
+
+@pytest.mark.parametrize("output", ["cat", "repeat", "sin_cos", "complex"])
+def test_every_output_form_holds_the_same_angles(output: str) -> None:
+    # The four forms of tables transformers' families use, all from ropelib's half-width float tables.
+    config = tiny_model("llama").config
+    rotary = HFRotaryEmbedding(config, output=output)
+    positions = torch.tensor([[0, 3, 7]])
+    want_cos, want_sin = reference_tables(positions.flatten().tolist(), 16, 10000.0)
+    out = rotary(torch.zeros(1), positions)
+    if output == "complex":
+        cos, sin = out.real[0], out.imag[0]
+    elif output == "sin_cos":
+        sin, cos = out[0][0], out[1][0]
+    else:
+        cos, sin = out[0][0], out[1][0]
+    if output == "repeat":
+        cos, sin = cos[..., 0::2], sin[..., 0::2]
+    elif output == "cat":
+        cos, sin = cos[..., :8], sin[..., :8]
+    assert torch.allclose(cos.double(), want_cos[:, :8], atol=1e-7, rtol=0.0)
+    assert torch.allclose(sin.double(), want_sin[:, :8], atol=1e-7, rtol=0.0)
+    key = out if output == "complex" else out[0]
+    assert rotary.tables_of(key) is not None and rotary.tables_of(torch.zeros(1)) is None

@@ -634,6 +634,34 @@ CASES: list[Case] = [
         "positions must be an integer tensor \\[seq, 2\\]",
         lambda: rl.AxialRotaryEmbedding(8)(torch.randn(1, 6, 1, 8), torch.randn(1, 6, 1, 8), torch.arange(6)),
     ),
+    # ---- M-RoPE
+    gives("mrope_axes", lambda r: r.tolist() == [0, 0, 1, 2], lambda: rl.mrope_axes([2, 1, 1])),
+    raises("mrope_axes", TypeError, "mrope_section must be a sequence of 3 ints", lambda: rl.mrope_axes("211")),
+    raises("mrope_axes", TypeError, "interleaved must be a bool", lambda: rl.mrope_axes([2, 1, 1], interleaved="yes")),
+    gives(
+        "mrope_positions", lambda r: r.tolist() == [[0, 1, 2, 3]] * 3, lambda: rl.mrope_positions([2, (1, 1, 1), 1])
+    ),  # image (1,1,1) at 2, text resumes at 2 + 1
+    raises("mrope_positions", TypeError, "segments must be a sequence", lambda: rl.mrope_positions(3)),
+    raises(
+        "mrope_positions",
+        ValueError,
+        "spatial_merge_size must be >= 1",
+        lambda: rl.mrope_positions([2], spatial_merge_size=0),
+    ),
+    raises("MRotaryEmbedding", TypeError, "mrope_section", lambda: rl.MRotaryEmbedding(8, mrope_section=None)),
+    raises(
+        "MRotaryEmbedding",
+        ValueError,
+        "head_dim=8",
+        lambda: rl.MRotaryEmbedding(8, mrope_section=[2, 1, 1])(
+            torch.randn(1, 3, 2, 6), torch.randn(1, 3, 1, 6), torch.zeros(3, 1, 3).long()
+        ),
+    ),
+    gives(
+        "MRotaryEmbedding",
+        lambda r: close(r[0], rotated(Q, torch.arange(4))),  # text tokens: plain RoPE
+        lambda: rl.MRotaryEmbedding(8, mrope_section=[2, 1, 1])(Q, K, torch.arange(4).expand(3, 1, 4)),
+    ),
     # ---- packing and context parallelism
     gives(
         "packed_positions",

@@ -1,10 +1,24 @@
-"""The stand-in for a modeling module's ``apply_rotary_pos_emb``, and the record of what the patch installed."""
+"""The stand-in for a modeling module's apply function, its per-signature adapters, and the record of what the patch installed.
+
+``transformers`` families call their rotation with one of three signatures (:data:`SIGNATURES`):
+
+* ``"qk_cos_sin"``: ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``, ``q, k`` of shape
+  ``[batch, heads, seq, d]`` (Llama, GLM, Cohere, Gemma 3, Qwen2-VL; the ``cos`` table identifies ropelib's call);
+* ``"tensor_sin_cos"``: ``apply_rotary_pos_emb(x, sin, cos)``, one ``[batch, seq, heads, r]``
+  tensor, tables ``[batch, seq, r/2]`` (GPT-J; identified by ``sin``);
+* ``"qk_freqs"``: ``apply_rotary_emb(xq, xk, freqs_cis)``, ``[batch, seq, heads, d]`` and complex
+  ``[batch, seq, r/2]`` (Llama 4, Meta's form; identified by ``freqs_cis``).
+
+Each adapter has two halves: ``run`` turns a live call into ropelib's kernel call (or returns None,
+and the original runs), ``probe`` calls the original on ropelib-layout ``q, k`` at patch time.
+"""
 
 from __future__ import annotations
 
 import functools
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -15,18 +29,20 @@ from .module import HFRotaryEmbedding
 #: every HFRotaryEmbedding that patch_hf_rope put into a model and unpatch_hf_rope has not taken out
 INSTALLED: weakref.WeakSet[HFRotaryEmbedding] = weakref.WeakSet()
 
+Tables = tuple[HFRotaryEmbedding, torch.Tensor, torch.Tensor]
 
-def installed_tables(cos: object) -> tuple[HFRotaryEmbedding, torch.Tensor, torch.Tensor] | None:
-    """The installed module that returned ``cos`` last, with its half-width tables; None for any other tensor."""
+
+def installed_tables(key: object) -> Tables | None:
+    """The installed module that returned ``key`` last, with its half-width tables; None for any other object."""
     for module in INSTALLED:
-        tables = module.tables_of(cos)
+        tables = module.tables_of(key)
         if tables is not None:
             return module, tables[0], tables[1]
     return None
 
 
 def rotate_with_tables(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str, *, interleaved: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate ``q, k`` (``[batch, seq, heads, d]``) by per-token tables ``[1 or batch, seq, r/2]``.
 
@@ -39,46 +55,136 @@ def rotate_with_tables(
     k = k if k.stride(-1) == 1 else k.contiguous()
     if cos.shape[0] == 1:  # one row of positions shared by the whole batch
         rows = torch.arange(seq, device=q.device).expand(batch, seq)
-        return rotate_qk(q, k, cos[0], sin[0], rows, interleaved=False, kernel=kernel)
+        return rotate_qk(q, k, cos[0], sin[0], rows, interleaved=interleaved, kernel=kernel)
     rows = torch.arange(batch * seq, device=q.device).view(batch, seq)
     flat_cos, flat_sin = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1)
-    return rotate_qk(q, k, flat_cos, flat_sin, rows, interleaved=False, kernel=kernel)
+    return rotate_qk(q, k, flat_cos, flat_sin, rows, interleaved=interleaved, kernel=kernel)
+
+
+def _fits(found: Tables | None, *tensors: object, seq_dim: int = 1) -> Tables | None:
+    """``found`` if every tensor is a 4-D tensor of one dtype whose batch and seq match the tables."""
+    if found is None or not isinstance(tensors[0], torch.Tensor):
+        return None
+    cos, dtype = found[1], tensors[0].dtype
+    for t in tensors:
+        if not isinstance(t, torch.Tensor) or t.ndim != 4 or t.dtype != dtype:
+            return None
+        if cos.shape[0] not in (1, t.shape[0]) or cos.shape[1] != t.shape[seq_dim] or 2 * cos.shape[2] > t.shape[3]:
+            return None
+    return found
+
+
+# ----------------------------------------------------------------------------- qk_cos_sin (Llama and most)
+
+
+def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    if len(args) != 4 or set(kwargs) - {"unsqueeze_dim"}:
+        return None
+    q, k, cos, _ = args
+    unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+    if unsqueeze_dim not in (1, 2):
+        return None
+    found = _fits(installed_tables(cos), q, k, seq_dim=3 - unsqueeze_dim)
+    if found is None:
+        return None
+    module, cos_half, sin_half = found
+    if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    q, k = rotate_with_tables(q, k, cos_half, sin_half, module.backend, interleaved=interleaved)
+    if unsqueeze_dim == 1:
+        q, k = q.transpose(1, 2), k.transpose(1, 2)
+    return q, k
+
+
+def _probe_qk_cos_sin(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
+    cos, sin = tables
+    q2, k2 = original(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    return q2.transpose(1, 2), k2.transpose(1, 2)
+
+
+# ----------------------------------------------------------------------------- tensor_sin_cos (GPT-J)
+
+
+def _run_tensor_sin_cos(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    if len(args) != 3 or kwargs:
+        return None
+    x, sin, _ = args
+    found = _fits(installed_tables(sin), x)
+    if found is None or x.shape[3] != 2 * found[1].shape[2]:  # GPT-J's function rotates the whole x
+        return None
+    module, cos_half, sin_half = found
+    # The kernels rotate a query and a key together; one head of x stands in for the key.
+    out, _ = rotate_with_tables(x, x[:, :, :1], cos_half, sin_half, module.backend, interleaved=interleaved)
+    return out
+
+
+def _probe_tensor_sin_cos(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
+    sin, cos = tables
+    r = 2 * sin.shape[-1]  # GPT-J's attention rotates x[..., :rotary_dim] and passes the rest
+    return tuple(torch.cat((original(t[..., :r], sin, cos), t[..., r:]), dim=-1) for t in (q, k))
+
+
+# ----------------------------------------------------------------------------- qk_freqs (Llama 4)
+
+
+def _run_qk_freqs(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    if len(args) != 3 or kwargs:
+        return None
+    q, k, freqs = args
+    found = _fits(installed_tables(freqs), q, k)
+    if found is None:
+        return None
+    module, cos_half, sin_half = found
+    return rotate_with_tables(q, k, cos_half, sin_half, module.backend, interleaved=interleaved)
+
+
+def _probe_qk_freqs(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
+    return original(q, k, tables)
+
+
+@dataclass(frozen=True)
+class Signature:
+    """How a family's apply function is called: ``run`` (live calls) and ``probe`` (patch time), see the module docstring."""
+
+    name: str
+    run: Callable[[tuple[Any, ...], dict[str, Any], bool], Any]
+    probe: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], Any]
+
+
+#: The signatures of apply functions, by name.
+SIGNATURES: dict[str, Signature] = {
+    s.name: s
+    for s in (
+        Signature("qk_cos_sin", _run_qk_cos_sin, _probe_qk_cos_sin),
+        Signature("tensor_sin_cos", _run_tensor_sin_cos, _probe_tensor_sin_cos),
+        Signature("qk_freqs", _run_qk_freqs, _probe_qk_freqs),
+    )
+}
 
 
 class RopelibApply:
-    """Stands in for a modeling module's ``apply_rotary_pos_emb``.
+    """Stands in for a modeling module's apply function (``apply_rotary_pos_emb`` and kin).
 
-    Eager calls whose ``cos`` comes from an installed :class:`~ropelib.HFRotaryEmbedding` are rotated by
+    Eager calls whose tables come from an installed :class:`~ropelib.HFRotaryEmbedding` are rotated by
     ropelib's kernels with ropelib's float tables; any other call, and every call under
     :func:`torch.compile` (where Inductor fuses the original's arithmetic into one kernel), goes to
     the original function with its arguments unchanged.
+
+    Args:
+        original: the function replaced.
+        signature: a key of :data:`SIGNATURES`.
+        layout: ``"half"`` or ``"interleaved"``, the pairs the original rotates.
     """
 
-    def __init__(self, original: Callable[..., Any]) -> None:
+    def __init__(self, original: Callable[..., Any], signature: str = "qk_cos_sin", layout: str = "half") -> None:
         self.original = original
+        self.signature = SIGNATURES[signature]
+        self.interleaved = layout == "interleaved"
         functools.update_wrapper(self, original)
 
-    def __call__(self, q: Any, k: Any, cos: Any, sin: Any, *args: Any, **kwargs: Any) -> Any:
-        if torch.compiler.is_compiling() or args or set(kwargs) - {"unsqueeze_dim"}:
-            return self.original(q, k, cos, sin, *args, **kwargs)
-        found = installed_tables(cos)
-        unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
-        if (
-            found is None
-            or unsqueeze_dim not in (1, 2)
-            or not isinstance(q, torch.Tensor)
-            or not isinstance(k, torch.Tensor)
-            or q.ndim != 4
-            or k.ndim != 4
-            or q.dtype != k.dtype
-            or found[1].shape[0] not in (1, q.shape[0])
-            or found[1].shape[1] != q.shape[3 - unsqueeze_dim]  # the seq dimension
-        ):
-            return self.original(q, k, cos, sin, *args, **kwargs)
-        module, cos_half, sin_half = found
-        if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        q, k = rotate_with_tables(q, k, cos_half, sin_half, module.backend)
-        if unsqueeze_dim == 1:
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-        return q, k
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.compiler.is_compiling():
+            result = self.signature.run(args, kwargs, self.interleaved)
+            if result is not None:
+                return result
+        return self.original(*args, **kwargs)

@@ -3,9 +3,11 @@ r"""Make a Hugging Face ``transformers`` model compute its RoPE with ropelib: th
 Models of a known family (:mod:`~ropelib.integrations.huggingface.families`) do RoPE in two places:
 
 1. one rotary module per model, called once per forward pass, turns ``position_ids``
-   (``[batch, seq]``) into ``cos, sin`` tables of shape ``[batch, seq, r]``;
-2. a function of the modeling module (``apply_rotary_pos_emb(q, k, cos, sin)``), called by every
-   attention layer on ``q, k`` of shape ``[batch, heads, seq, head_dim]``.
+   (``[batch, seq]``; ``[3, batch, seq]`` for M-RoPE) into tables such as ``cos, sin`` of shape
+   ``[batch, seq, r]`` (once per layer type for Gemma 3);
+2. a function of the modeling module (``apply_rotary_pos_emb(q, k, cos, sin)`` and kin, see
+   :data:`~ropelib.integrations.huggingface.apply.SIGNATURES`), called by every attention layer
+   that uses RoPE on ``q, k`` of shape ``[batch, heads, seq, head_dim]``.
 
 :func:`~ropelib.patch_hf_rope` swaps each (1) for an :class:`~ropelib.HFRotaryEmbedding`, which builds the
 tables with ropelib from the model's config, and wraps each (2) so that tables made by ropelib
@@ -29,8 +31,8 @@ from torch import nn
 from ..._validation import check_choice
 from ...kernels.ops import BACKENDS
 from .apply import INSTALLED, RopelibApply
-from .families import FAMILIES, Family
-from .module import HFRotaryEmbedding
+from .families import FAMILIES, Family, family_of
+from .module import HFRotaryEmbedding, config_dict
 from .probes import probe_apply, probe_tables
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
@@ -50,17 +52,47 @@ def _modeling_modules(model: nn.Module, family: Family) -> list[ModuleType]:
     return list(found.values())
 
 
-def _targets(model: nn.Module) -> tuple[Family, list[tuple[str, nn.Module]]] | None:
-    """The first family with rotary modules in ``model``, and those modules by name."""
-    for family in FAMILIES:
-        found = [
-            (name, module)
-            for name, module in model.named_modules()
-            if not isinstance(module, HFRotaryEmbedding) and family.is_rotary_module(module)
-        ]
-        if found:
-            return family, found
-    return None
+def _targets(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
+    """The rotary modules of ``model`` that a known family takes, by name, with their family."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, HFRotaryEmbedding):
+            continue
+        family = family_of(module)
+        if family is not None:
+            found.append((name, module, family))
+    return found
+
+
+def _config_of(model: nn.Module, name: str, module: nn.Module) -> object:
+    """The rotary module's own ``config``, else that of its nearest parent (GPT-J's module has none)."""
+    config = getattr(module, "config", None)
+    parts = name.split(".")
+    while config is None and parts:
+        parts.pop()
+        config = getattr(model.get_submodule(".".join(parts)), "config", None)
+    if config is None:
+        raise ValueError(f"model's {name} has no config (nor has any module above it) to read its RoPE from")
+    return config
+
+
+def _replacement(model: nn.Module, name: str, original: nn.Module, family: Family, backend: str) -> HFRotaryEmbedding:
+    """The :class:`HFRotaryEmbedding` for ``original``, built from the config as the family's row says."""
+    config = _config_of(model, name, original)
+    mrope_section = None
+    if family.mrope is not None:
+        mrope_section = getattr(original, "mrope_section", None)
+        if mrope_section is None:
+            raise ValueError(f"model's {name} has no mrope_section attribute to split the frequency pairs by")
+    return HFRotaryEmbedding(
+        config,
+        backend=backend,
+        original=original,
+        output=family.output,
+        rope_options=family.options(config_dict(config)),
+        mrope_section=mrope_section,
+        mrope_interleaved=family.mrope == "interleaved",
+    )
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
@@ -82,7 +114,12 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
         x' = x \odot \cos(p\,f) + \mathrm{rotate\_half}(x) \odot \sin(p\,f),
 
     with the frequencies ``f`` of the config's ``rope_type`` (any entry of
-    :data:`~ropelib.scaling.registry.ROPE_SCALINGS`). Weights, buffers and the state dict are unchanged;
+    :data:`~ropelib.scaling.registry.ROPE_SCALINGS`). The other rows of
+    :data:`~ropelib.integrations.huggingface.families.FAMILIES` rotate adjacent pairs,
+    ``(x_{2i}, x_{2i+1}) -> (x_{2i} c_i - x_{2i+1} s_i, x_{2i+1} c_i + x_{2i} s_i)`` (GLM, Cohere,
+    GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p f_i}``), take one RoPE setting per layer type
+    (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL; :mod:`ropelib.mrope`). Weights, buffers and the state dict are unchanged;
     logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
     A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
     bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
@@ -94,7 +131,9 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
 
     Args:
         model: a ``transformers`` model (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
-            ``MistralForCausalLM``) or any module containing one, with real (not meta) tensors.
+            ``GlmForCausalLM``, ``GPTJForCausalLM``, ``Llama4ForCausalLM``, ``Gemma3ForCausalLM``,
+            ``Qwen2VLForConditionalGeneration``) or any module containing one, with real (not meta)
+            tensors. Vision rotary modules (2-D axial RoPE of a vision tower) are left alone.
         backend: ``"auto"`` (the fused kernel on CUDA where available), ``"torch"`` or ``"triton"``.
 
     Returns:
@@ -113,8 +152,8 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     backend = check_choice(backend, "backend", BACKENDS)
-    found = _targets(model)
-    if found is None:
+    targets = _targets(model)
+    if not targets:
         if any(isinstance(m, HFRotaryEmbedding) for m in model.modules()):
             return model
         names = ", ".join(family.name for family in FAMILIES)
@@ -122,34 +161,40 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
             f"model has no rotary module of a known family ({names}; a *RotaryEmbedding module with a config "
             "and inv_freq) to replace"
         )
-    family, targets = found
-    for name, original in targets:
-        if original.get_buffer("inv_freq").is_meta:
+    for name, original, _ in targets:
+        if any(buffer.is_meta for buffer in original.buffers()):
             raise ValueError(
                 f"model's {name} is on the meta device (no values to compare with); materialise the model "
                 "(e.g. model.to_empty(device=...) and load its weights) before patching"
             )
-    py_modules = _modeling_modules(model, family)
-    if not py_modules:
-        raise ValueError(f"model's modeling module has no {family.apply_name} function to route through ropelib")
+    py_modules: dict[Family, list[ModuleType]] = {}
+    for _, _, family in targets:
+        if family not in py_modules:
+            py_modules[family] = _modeling_modules(model, family)
+            if not py_modules[family]:
+                raise ValueError(
+                    f"model's modeling module has no {family.apply_name} function to route through ropelib"
+                )
 
     replacements = []
-    for name, original in targets:
-        replacement = HFRotaryEmbedding(original.config, backend=backend, original=original)
-        cos, sin = probe_tables(original, replacement, original.get_buffer("inv_freq").device)
-        for py_module in py_modules:
-            probe_apply(py_module, family, replacement, cos, sin)
+    for name, original, family in targets:
+        replacement = _replacement(model, name, original, family, backend)
+        device = next(original.buffers()).device  # every family's module has a frequency buffer
+        for tables, _ in probe_tables(original, replacement, device).values():
+            for py_module in py_modules[family]:
+                probe_apply(py_module, family, replacement, tables)
         replacements.append((name, replacement))
 
     for name, replacement in replacements:
         _set_submodule(model, name, replacement)
         INSTALLED.add(replacement)
-    for py_module in py_modules:
-        current = getattr(py_module, family.apply_name)
-        if not isinstance(current, RopelibApply):
-            wrapper = RopelibApply(current)
-            setattr(py_module, family.apply_name, wrapper)
-            _WRAPPED[f"{py_module.__name__}.{family.apply_name}"] = wrapper
+    for family, modules in py_modules.items():
+        for py_module in modules:
+            current = getattr(py_module, family.apply_name)
+            if not isinstance(current, RopelibApply):
+                wrapper = RopelibApply(current, family.signature, family.layout)
+                setattr(py_module, family.apply_name, wrapper)
+                _WRAPPED[f"{py_module.__name__}.{family.apply_name}"] = wrapper
     return model
 
 
