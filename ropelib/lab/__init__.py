@@ -1,44 +1,75 @@
 """The extrapolation lab (``python -m ropelib.lab``): a tool on top of the library, never imported by it.
 
-See :mod:`ropelib.lab.experiment` for the experiment and its command line.
+See :mod:`ropelib.lab.experiment` for the experiment and its command line, :mod:`ropelib.lab.tasks`
+for the two tasks and :mod:`ropelib.lab.stats` for the summaries over seeds.
 """
 
 from .experiment import (
+    DYNAMIC_FACTOR_RULE,
     ENCODINGS,
     EVAL_SEED,
-    IGNORE,
+    FINE_TUNE_SCALINGS,
+    LABELS,
     LARGE,
+    QUICK,
     SMALL,
     TEST_TIME_SCALINGS,
     LabConfig,
     TinyTransformer,
     accuracy,
+    dry_run,
+    dynamic_alpha,
+    evaluate,
+    fine_tune,
     format_table,
     main,
     provenance,
     repeat_batch,
+    row_names,
     run,
     scaling_for_length,
+    t5_untrained_buckets,
+    task_batch,
     train,
     with_rope_scaling,
 )
+from .stats import chance_of_separation, format_mean_std, mean_std, separated
+from .tasks import IGNORE, TASKS, lag_task, repeat_task
 
 __all__ = [
+    "DYNAMIC_FACTOR_RULE",
     "ENCODINGS",
     "EVAL_SEED",
+    "FINE_TUNE_SCALINGS",
     "IGNORE",
+    "LABELS",
     "LARGE",
+    "QUICK",
     "SMALL",
+    "TASKS",
     "TEST_TIME_SCALINGS",
     "LabConfig",
     "TinyTransformer",
     "accuracy",
+    "chance_of_separation",
+    "dry_run",
+    "dynamic_alpha",
+    "evaluate",
+    "fine_tune",
+    "format_mean_std",
     "format_table",
+    "lag_task",
     "main",
+    "mean_std",
     "provenance",
     "repeat_batch",
+    "repeat_task",
+    "row_names",
     "run",
     "scaling_for_length",
+    "separated",
+    "t5_untrained_buckets",
+    "task_batch",
     "train",
     "with_rope_scaling",
 ]
