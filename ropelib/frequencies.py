@@ -9,6 +9,8 @@ Everything that changes the frequencies (context-extension scaling, dynamic NTK)
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ._validation import check_even, check_float_dtype, check_float_tensor, check_integer_tensor, check_positive_float
@@ -18,6 +20,41 @@ def default_inverse_frequencies(rotary_dim: int, theta: float) -> torch.Tensor:
     r"""``theta^(-2i/rotary_dim)`` for ``i = 0 .. rotary_dim/2 - 1``, in float64 (RoFormer eq. 15)."""
     exponent = torch.arange(0, rotary_dim, 2, dtype=torch.float64, device="cpu") / rotary_dim
     return theta ** (-exponent)
+
+
+def ntk_rescaled_theta(theta: float, rotary_dim: int, theta_rescale_factor: float) -> float:
+    r"""Static NTK-aware scaling of the base: ``theta * factor^(d / (d - 2))`` for ``d = rotary_dim``.
+
+    rotary-embedding-torch's ``theta_rescale_factor`` (after bloc97's "NTK-aware" RoPE): the lowest
+    frequency ``theta^{-(d-2)/d}`` is divided by ``factor`` while the highest (1) is kept.
+
+    Example:
+        >>> ntk_rescaled_theta(10000.0, 4, 2.0)
+        40000.0
+    """
+    theta = check_positive_float(theta, "theta")
+    rotary_dim = check_even(rotary_dim, "rotary_dim")
+    factor = check_positive_float(theta_rescale_factor, "theta_rescale_factor")
+    if factor == 1.0:
+        return theta
+    if rotary_dim == 2:
+        raise ValueError("theta_rescale_factor needs rotary_dim >= 4 (the exponent d / (d - 2) is undefined for d = 2)")
+    return theta * factor ** (rotary_dim / (rotary_dim - 2))
+
+
+def pixel_inverse_frequencies(rotary_dim: int, max_freq: float = 10.0) -> torch.Tensor:
+    r"""rotary-embedding-torch's ``freqs_for="pixel"``: ``linspace(1, max_freq / 2, d / 2) * pi``, float64 ``[d/2]``.
+
+    Linearly spaced angular frequencies for continuous coordinates in ``[-1, 1]`` (images, as in
+    ViT-style axial RoPE), rather than RoPE's geometric ``theta^{-2i/d}`` for token indices.
+
+    Example:
+        >>> (pixel_inverse_frequencies(4, 4.0) / math.pi).tolist()
+        [1.0, 2.0]
+    """
+    rotary_dim = check_even(rotary_dim, "rotary_dim")
+    max_freq = check_positive_float(max_freq, "max_freq")
+    return torch.linspace(1.0, max_freq / 2, rotary_dim // 2, dtype=torch.float64, device="cpu") * math.pi
 
 
 def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
@@ -32,7 +69,10 @@ def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
 def angle_tables(
     inv_freq64: torch.Tensor, positions: torch.Tensor, attention_scaling: float, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`~ropelib.cos_sin_table` without argument checks: ``inv_freq64`` float64 on ``positions``' device."""
+    """:func:`~ropelib.cos_sin_table` without argument checks: ``inv_freq64`` float64 on ``positions``' device.
+
+    ``positions`` may be floating (continuous coordinates): they are converted to float64 first.
+    """
     angles = positions.to(torch.float64)[..., None] * inv_freq64
     cos, sin = angles.cos(), angles.sin()
     if attention_scaling != 1.0:

@@ -3,7 +3,7 @@ r"""Multimodal RoPE (M-RoPE; Qwen2-VL, Wang et al., 2024, section 2.1): three po
 Every token has three positions ``(t, h, w)`` (time, height, width). Text tokens have the same
 index on all three axes, so for text M-RoPE is plain 1-D RoPE; an image of ``T x H x W`` patches
 placed after ``n`` positions gets ``(n + i, n + j, n + k)`` for patch ``(i, j, k)``, and the next
-text token continues at one more than the largest index used so far (:func:`mrope_positions`).
+text token continues at one more than the largest index used so far (:func:`~ropelib.mrope_positions`).
 
 The ``r/2`` frequency pairs are shared out among the axes by ``mrope_section = (s_t, s_h, s_w)``
 (``s_t + s_h + s_w = r/2``); pair ``i`` is rotated by the position on its axis ``a(i)``:
@@ -131,7 +131,7 @@ def mrope_tables(
     Args:
         inv_freq64: float64 ``[r/2]`` on ``positions``' device.
         positions: integers ``[3, *shape]``.
-        axes: the axis of each pair (:func:`mrope_axes`), ``[r/2]``.
+        axes: the axis of each pair (:func:`~ropelib.mrope_axes`), ``[r/2]``.
         attention_scaling: multiplies cos and sin.
 
     Returns:

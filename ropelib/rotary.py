@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ._validation import (
+    check_bool,
     check_choice,
     check_even,
     check_float_dtype,
@@ -41,8 +42,8 @@ from ._validation import (
     values_readable,
 )
 from .config import rope_config
-from .frequencies import angle_tables
-from .kernels.ops import BACKENDS, choose_kernel, rotate_qk
+from .frequencies import angle_tables, ntk_rescaled_theta, pixel_inverse_frequencies
+from .kernels.ops import BACKENDS, choose_kernel, no_offsets, offset_positions, rotate_qk
 from .layouts import LAYOUTS
 from .packing import check_cu_seqlens, positions_in_documents
 from .reference import rotate
@@ -51,6 +52,42 @@ from .scaling import ROPE_SCALINGS, frequency_seq_len, inverse_frequencies64, ro
 #: The float32 cache holds at most this many positions (or ``max_position_embeddings``, if larger);
 #: beyond it, rows are computed for the positions asked for, so one far position costs one row.
 CACHE_POSITIONS = 1 << 16
+
+#: The frequency families, rotary-embedding-torch's ``freqs_for``: ``"lang"`` (``theta^{-2i/r}``) and ``"pixel"``.
+FREQS_FOR = ("lang", "pixel")
+#: The positions a module accepts: ``"integer"`` token indices (>= 0) or ``"continuous"`` finite reals.
+POSITION_KINDS = ("integer", "continuous")
+
+
+def check_continuous_positions(positions: object, name: str, *, batch: int | None, seq_len: int | None) -> torch.Tensor:
+    """Real-valued positions (integer or floating tensor), finite, of shape ``[seq]``/``[1, seq]``/``[batch, seq]``.
+
+    ``seq_len=None`` accepts any shape. Integer positions are returned as int64 (any sign), floating
+    ones unchanged; finiteness is checked by the rule of :mod:`ropelib._validation` (read on the CPU,
+    a queued :func:`torch._assert_async` on a GPU or under :func:`torch.compile`).
+    """
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (integer or floating), got {type(positions).__name__}")
+    if not positions.dtype.is_floating_point:
+        if seq_len is None:
+            return check_integer_tensor(positions, name).long()
+        return check_positions(positions, name, batch=batch, seq_len=seq_len, minimum=None)
+    if seq_len is not None:
+        shapes = [(seq_len,)] + ([(batch, seq_len), (1, seq_len)] if batch is not None else [])
+        if tuple(positions.shape) not in shapes:
+            expected = " or ".join(str(list(s)) for s in dict.fromkeys(shapes))
+            raise ValueError(f"{name} must have shape {expected}, got {list(positions.shape)}")
+        if positions.ndim == 2 and positions.shape[0] == 1 and batch is not None and batch != 1:
+            positions = positions.expand(batch, seq_len)
+    if positions.numel() and positions.device.type != "meta":
+        finite = torch.isfinite(positions).all()
+        if values_readable(positions):
+            if not bool(finite):
+                bad = positions[~torch.isfinite(positions)].flatten()[0].item()
+                raise ValueError(f"{name} must be finite, got {bad}")
+        else:
+            torch._assert_async(finite, f"{name} must be finite")
+    return positions
 
 
 class RotaryEmbedding(nn.Module):
@@ -61,15 +98,34 @@ class RotaryEmbedding(nn.Module):
         theta: the frequency base (``inv_freq[i] = theta^{-2i/r}``).
         layout: ``"half"`` (GPT-NeoX / Hugging Face) or ``"interleaved"`` (GPT-J / Meta / the seed).
         rotary_dim: features rotated per head (``head_dim`` by default; even, <= ``head_dim``).
-        scaling: a Hugging Face-style ``rope_scaling`` dict (see :mod:`ropelib.scaling`).
+            ``head_dim`` may be odd when an even ``rotary_dim < head_dim`` is given.
+        scaling: a Hugging Face-style ``rope_scaling`` dict (see :mod:`ropelib.scaling`). With
+            ``"proportional"`` and ``rotary_dim < head_dim``, ``rotary_dim / 2`` pairs of the whole
+            head rotate at the full head's frequencies (``partial_rotary_factor = rotary_dim / head_dim``
+            in the dict), as transformers computes it.
         max_position_embeddings: the context length the frequencies are built for (read by scalings).
         backend: ``"auto"``, ``"torch"`` or ``"triton"`` (:data:`~ropelib.kernels.ops.BACKENDS`).
+        theta_rescale_factor: static NTK-aware scaling, rotary-embedding-torch's argument of that
+            name: the base becomes ``theta * factor^(r / (r - 2))`` (:func:`~ropelib.frequencies.ntk_rescaled_theta`).
+        freqs_for: ``"lang"`` (RoPE's ``theta^{-2i/r}``) or ``"pixel"`` (rotary-embedding-torch's
+            ``linspace(1, max_freq / 2, r / 2) * pi``, for coordinates in ``[-1, 1]``:
+            :func:`~ropelib.frequencies.pixel_inverse_frequencies`); ``max_freq`` is read by ``"pixel"``.
+        positions: ``"integer"`` (token indices, the default) or ``"continuous"``: positions may then
+            be floating (fractional, negative) as well as integer, in ``forward`` and :meth:`cos_sin`;
+            the angles are formed in float64 from them.
+        learned_freq: make the inverse frequencies an :class:`torch.nn.Parameter`,
+            :attr:`learned_inv_freq` (``[r/2]``, float32 until the module is cast), as
+            rotary-embedding-torch's ``learned_freq``: every call computes its rows from it (no
+            cache) and rotates with differentiable operations, so gradients reach it.
 
     Shapes:
         ``forward(q, k, positions=None)``: ``q`` is ``[batch, seq, q_heads, head_dim]``, ``k`` is
         ``[batch, seq, kv_heads, head_dim]`` (the head counts may differ, as in GQA/MQA);
         ``positions`` are integers of shape ``[seq]``, ``[1, seq]`` or ``[batch, seq]`` (default
-        ``0 .. seq-1``), all >= 0 (checked as :mod:`ropelib._validation` says). Returns the
+        ``0 .. seq-1``), all >= 0 (checked as :mod:`ropelib._validation` says); with
+        ``positions="continuous"``, any finite reals, floating or integer. ``seqlen_offsets``
+        (flash-attn's): an int or integer tensor ``[batch]`` added to the default positions, token
+        ``s`` of row ``b`` at ``offsets[b] + s`` (built on the device, no host read). Returns the
         rotated ``(q, k)`` in their dtypes; the angles are float64 rounded to float32.
 
     The frequencies are plain attributes, not buffers (``module.half()`` must not round them), and
@@ -83,6 +139,9 @@ class RotaryEmbedding(nn.Module):
         True
     """
 
+    #: The learned inverse frequencies ``[rotary_dim // 2]`` (only with ``learned_freq=True``).
+    learned_inv_freq: nn.Parameter
+
     def __init__(
         self,
         head_dim: int,
@@ -93,13 +152,31 @@ class RotaryEmbedding(nn.Module):
         scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
         backend: str = "auto",
+        theta_rescale_factor: float = 1.0,
+        freqs_for: str = "lang",
+        max_freq: float = 10.0,
+        positions: str = "integer",
+        learned_freq: bool = False,
     ) -> None:
         super().__init__()
-        self.head_dim = check_even(head_dim, "head_dim")
-        self.rotary_dim = self.head_dim if rotary_dim is None else check_even(rotary_dim, "rotary_dim")
+        self.head_dim = check_int(head_dim, "head_dim", minimum=2)
+        if rotary_dim is None:
+            if self.head_dim % 2:
+                raise ValueError(
+                    f"head_dim must be even (features are rotated in pairs) unless an even rotary_dim < head_dim "
+                    f"is given, got {self.head_dim}"
+                )
+            self.rotary_dim = self.head_dim
+        else:
+            self.rotary_dim = check_even(rotary_dim, "rotary_dim")
         if self.rotary_dim > self.head_dim:
             raise ValueError(f"rotary_dim must be <= head_dim={self.head_dim}, got {self.rotary_dim}")
         self.theta = check_positive_float(theta, "theta")
+        self.theta_rescale_factor = check_positive_float(theta_rescale_factor, "theta_rescale_factor")
+        self.freqs_for = check_choice(freqs_for, "freqs_for", FREQS_FOR)
+        self.max_freq = check_positive_float(max_freq, "max_freq")
+        self.position_kind = check_choice(positions, "positions", POSITION_KINDS)
+        self.learned_freq = check_bool(learned_freq, "learned_freq")
         self.layout = check_choice(layout, "layout", LAYOUTS)
         self.backend = check_choice(backend, "backend", BACKENDS)
         if scaling is not None and not isinstance(scaling, Mapping):
@@ -107,14 +184,59 @@ class RotaryEmbedding(nn.Module):
         self.scaling = dict(scaling) if scaling is not None else None
         self.max_position_embeddings = max_position_embeddings
         rope_type = rope_type_of(self.scaling)
+        if rope_type == "proportional" and self.rotary_dim != self.head_dim:
+            self._proportional_fraction()
         self._follows_length = ROPE_SCALINGS[rope_type].follows_length
+        self._check_combinations()
         self.reset_parameters()
 
-    def reset_parameters(self) -> None:
-        """(Re)build the frequencies on the CPU and empty the caches (e.g. after building under ``meta``)."""
-        self._inv_freq64, self.attention_scaling = inverse_frequencies64(
-            self.rotary_dim, self.theta, self.scaling, max_position_embeddings=self.max_position_embeddings
+    def _proportional_fraction(self) -> None:
+        """``rope_type="proportional"`` with ``rotary_dim < head_dim`` (as :func:`~ropelib.rope_config` gives it):
+        the fraction ``rotary_dim / head_dim`` goes into the dict and the frequencies span the whole head,
+        as transformers computes them (:func:`~ropelib.scaling.proportional.proportional_scaling`)."""
+        assert self.scaling is not None
+        if self.scaling.get("partial_rotary_factor") is not None:
+            raise ValueError(
+                "rope_type='proportional' got both rotary_dim < head_dim and scaling['partial_rotary_factor']; "
+                "give the fraction once"
+            )
+        self.scaling["partial_rotary_factor"] = self.rotary_dim / check_even(self.head_dim, "head_dim")
+        self.rotary_dim = self.head_dim
+
+    def _check_combinations(self) -> None:
+        """Refuse the options that do not combine (each would silently mean something else)."""
+        if self.theta_rescale_factor != 1.0 and (self.scaling is not None or self.freqs_for == "pixel"):
+            raise ValueError("theta_rescale_factor (static NTK scaling) needs freqs_for='lang' and scaling=None")
+        ntk_rescaled_theta(self.theta, self.rotary_dim, self.theta_rescale_factor)  # rotary_dim = 2 cannot rescale
+        if self.freqs_for == "pixel" and self.scaling is not None:
+            raise ValueError("freqs_for='pixel' takes no scaling (the rope_scaling types rescale theta^(-2i/r))")
+        if self._follows_length and (self.learned_freq or self.position_kind == "continuous"):
+            raise ValueError(
+                "a length-following scaling (dynamic, longrope) needs fixed frequencies and integer positions: "
+                "it does not combine with learned_freq=True or positions='continuous'"
+            )
+
+    def _initial_frequencies(self) -> tuple[torch.Tensor, float]:
+        """The float64 inverse frequencies ``[r/2]`` and attention factor of the options, built on the CPU."""
+        if self.freqs_for == "pixel":
+            return pixel_inverse_frequencies(self.rotary_dim, self.max_freq), 1.0
+        theta = ntk_rescaled_theta(self.theta, self.rotary_dim, self.theta_rescale_factor)
+        return inverse_frequencies64(
+            self.rotary_dim, theta, self.scaling, max_position_embeddings=self.max_position_embeddings
         )
+
+    def reset_parameters(self) -> None:
+        """(Re)build the frequencies on the CPU and empty the caches (e.g. after building under ``meta``).
+
+        With ``learned_freq=True`` the parameter :attr:`learned_inv_freq` is reset to them too.
+        """
+        self._inv_freq64, self.attention_scaling = self._initial_frequencies()
+        if self.learned_freq:
+            if isinstance(getattr(self, "learned_inv_freq", None), nn.Parameter):
+                with torch.no_grad():
+                    self.learned_inv_freq.copy_(self._inv_freq64)
+            else:
+                self.learned_inv_freq = nn.Parameter(self._inv_freq64.to(torch.float32))
         self._freq_seq_len: int | None = None  # the seq_len of dynamic / longrope frequencies (None: original)
         self._forget_tables()
 
@@ -125,7 +247,9 @@ class RotaryEmbedding(nn.Module):
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """The float32 inverse frequencies, ``[rotary_dim // 2]``."""
+        """The float32 inverse frequencies, ``[rotary_dim // 2]`` (the learned ones' current value, detached)."""
+        if self.learned_freq:
+            return self.learned_inv_freq.detach().to(torch.float32)
         return self._inv_freq64.to(torch.float32)
 
     @property
@@ -134,23 +258,28 @@ class RotaryEmbedding(nn.Module):
         return max(CACHE_POSITIONS, self.max_position_embeddings or 0)
 
     def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
-        """The float64 inverse frequencies on ``device``, copied there once."""
+        """The float64 inverse frequencies on ``device``, copied there once (learned ones: every call, differentiably)."""
+        if self.learned_freq:
+            return self.learned_inv_freq.to(device=device, dtype=torch.float64)
         inv = self._inv_on.get(device)
         if inv is None:
             inv = self._inv_on[device] = self._inv_freq64.to(device)
         return inv
 
     def rows(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` computed for ``positions`` (any shape and integer values), no cache: ``positions.shape + (r/2,)``."""
+        """``(cos, sin)`` computed for ``positions`` (any shape, integer or real values), no cache: ``positions.shape + (r/2,)``."""
         return angle_tables(self._inv_freq_on(positions.device), positions, self.attention_scaling, dtype)
 
     def cos_sin_cache(self, length: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """The float32 ``(cos, sin)`` tables for positions ``0 .. length-1`` or more, ``[L, rotary_dim/2]``.
 
-        The cache doubles when it grows, so a decoding loop rebuilds it ``log2(L)`` times.
+        The cache doubles when it grows, so a decoding loop rebuilds it ``log2(L)`` times. With
+        learned frequencies the tables are computed from the parameter at each call (never stale).
         """
         length = check_int(length, "length", minimum=0)
         device = torch.device(device) if device is not None else self._cos.device
+        if self.learned_freq:
+            return self.rows(torch.arange(max(length, 1), device=device))
         if self._cos.shape[0] < length or self._cos.device != device:
             grown = 2 * self._cos.shape[0] if self._cos.device == device else 0
             size = max(length, min(grown, self.cache_limit), 16)
@@ -162,8 +291,12 @@ class RotaryEmbedding(nn.Module):
 
         The angles are formed in float64 and rounded once to ``dtype``. With a length-dependent
         scaling (``dynamic``, ``longrope``) the frequencies are first brought to the length
-        ``positions.max() + 1`` (see :func:`ropelib.scaling.frequency_seq_len`).
+        ``positions.max() + 1`` (see :func:`ropelib.scaling.frequency_seq_len`). With
+        ``positions="continuous"``, any finite real positions (floating tensors too).
         """
+        if self.position_kind == "continuous":
+            positions = check_continuous_positions(positions, "positions", batch=None, seq_len=None)
+            return self.rows(positions, check_float_dtype(dtype))
         positions = check_integer_tensor(positions, "positions").long()
         check_position_range(positions, "positions")
         dtype = check_float_dtype(dtype)
@@ -205,7 +338,10 @@ class RotaryEmbedding(nn.Module):
         check_qk(q, k, head_dim=self.head_dim)
         if positions is None:
             return None
-        positions = check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
+        if self.position_kind == "continuous":
+            positions = check_continuous_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
+        else:
+            positions = check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
         return positions.to(q.device)
 
     def tables_for(
@@ -213,16 +349,17 @@ class RotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(cos, sin, rows)`` for the kernels: a ``[L, r/2]`` table and the row of each token (None: ``0 .. seq-1``).
 
-        Validated ``positions`` (int64 on ``device``) or None. Reads position values only where
-        that is free (see the module docstring).
+        Validated ``positions`` (int64, or floating for ``positions="continuous"``, on ``device``) or
+        None. Reads position values only where that is free (see the module docstring). Floating
+        positions and learned frequencies always get rows computed for them.
         """
         if self._follows_length:  # dynamic / longrope: the length is read on the host, as transformers does
             needed = seq_len if positions is None or positions.numel() == 0 else int(positions.max()) + 1
             self._follow_length(needed)
-        if dtype == torch.float64:
+        if dtype == torch.float64 or self.learned_freq or (positions is not None and positions.is_floating_point()):
             if positions is None:
                 positions = torch.arange(seq_len, device=device)
-            cos, sin = self.rows(positions, torch.float64)
+            cos, sin = self.rows(positions, dtype)
             return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]), self._row_index(positions)
         if torch.compiler.is_compiling():
             positions = torch.arange(seq_len, device=device) if positions is None else positions
@@ -249,10 +386,18 @@ class RotaryEmbedding(nn.Module):
         positions: torch.Tensor | None = None,
         *,
         cu_seqlens: torch.Tensor | None = None,
+        seqlen_offsets: int | torch.Tensor = 0,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if cu_seqlens is not None:
+            if not no_offsets(seqlen_offsets):
+                raise ValueError("give seqlen_offsets or cu_seqlens, not both: cu_seqlens defines the positions")
             return self.rotate_packed(q, k, positions, cu_seqlens)
-        return self.rotate(q, k, self.check_qk(q, k, positions))
+        checked = self.check_qk(q, k, positions)
+        if not no_offsets(seqlen_offsets):
+            if checked is not None:
+                raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
+            checked = offset_positions(seqlen_offsets, q.shape[0], q.shape[1], q.device)
+        return self.rotate(q, k, checked)
 
     def rotate_packed(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor
@@ -278,7 +423,7 @@ class RotaryEmbedding(nn.Module):
         cu_seqlens = check_cu_seqlens(cu_seqlens, tokens)
         if cu_seqlens.device != q.device:
             raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
-        if q.dtype == torch.float64 or self._follows_length:  # the general path, with explicit positions
+        if q.dtype == torch.float64 or self._follows_length or self._differentiable_tables():  # explicit positions
             q, k = self.rotate(q, k, positions_in_documents(cu_seqlens, tokens)[None])
         else:
             if torch.compiler.is_compiling():
@@ -300,7 +445,8 @@ class RotaryEmbedding(nn.Module):
         batch, seq = q.shape[:2]
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin, rows = self.tables_for(positions, seq, q.device, compute)
-        if q.dtype == torch.float64:  # the reference path keeps float64 end to end
+        if q.dtype == torch.float64 or self._differentiable_tables():  # plain differentiable operations
+            rows = torch.arange(seq, device=q.device) if rows is None else rows
             cos, sin = cos[rows], sin[rows]
             return rotate(q, cos, sin, self.layout), rotate(k, cos, sin, self.layout)
         rows = torch.arange(seq, device=q.device) if rows is None else rows
@@ -311,8 +457,22 @@ class RotaryEmbedding(nn.Module):
             q, k, cos, sin, rows.expand(batch, seq), interleaved=self.layout == "interleaved", kernel=kernel
         )
 
+    def _differentiable_tables(self) -> bool:
+        """True when the tables carry a gradient (learned frequencies, recording): the kernels would drop it."""
+        return self.learned_freq and torch.is_grad_enabled() and self.learned_inv_freq.requires_grad
+
     def extra_repr(self) -> str:
+        extra = "".join(
+            f", {name}={value!r}"
+            for name, value, default in (
+                ("theta_rescale_factor", self.theta_rescale_factor, 1.0),
+                ("freqs_for", self.freqs_for, "lang"),
+                ("positions", self.position_kind, "integer"),
+                ("learned_freq", self.learned_freq, False),
+            )
+            if value != default
+        )
         return (
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
-            f"layout={self.layout!r}, scaling={self.scaling}, backend={self.backend!r}"
+            f"layout={self.layout!r}, scaling={self.scaling}, backend={self.backend!r}{extra}"
         )

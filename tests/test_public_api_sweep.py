@@ -19,6 +19,9 @@ import pytest
 import torch
 
 import ropelib as rl
+from ropelib.frequencies import ntk_rescaled_theta, pixel_inverse_frequencies
+from ropelib.kernels.ops import no_offsets, offset_positions
+from ropelib.rotary import check_continuous_positions
 
 from references import rotate_ref
 
@@ -340,6 +343,117 @@ CASES: list[Case] = [
     ),
     raises("register_scaling", ValueError, "registered already", lambda: rl.register_scaling("linear")),
     raises("register_scaling", TypeError, "name must be a non-empty str", lambda: rl.register_scaling("")),
+    # ---- the peers' features (issue 11): one case per new argument or name
+    gives(
+        "rotary_qk",  # flash-attn's seqlen_offsets: token s of row b at offsets[b] + s
+        lambda r: close(r[0], rotated(Q.expand(2, 4, 2, 8), torch.tensor([[0, 1, 2, 3], [9, 10, 11, 12]]))),
+        lambda: rl.rotary_qk(Q.expand(2, 4, 2, 8), K.expand(2, 4, 1, 8), COS, SIN, seqlen_offsets=torch.tensor([0, 9])),
+    ),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "seqlen_offsets must be an int or an integer tensor of shape",
+        lambda: rl.rotary_qk(Q, K, COS, SIN, seqlen_offsets=torch.tensor([[1]])),
+    ),
+    raises(
+        "rotary_qk",
+        ValueError,
+        "inplace=True does not support autograd on q: it is a leaf",
+        lambda: rl.rotary_qk(Q.clone().requires_grad_(), K.clone(), COS, SIN, inplace=True),
+    ),
+    gives(
+        "rotary_qk",  # in place with autograd on non-leaves
+        lambda r: r[0].grad_fn is not None and close(r[0].detach(), rotated(Q, torch.arange(4))),
+        lambda: rl.rotary_qk(Q.clone().requires_grad_() * 1.0, K.clone(), COS, SIN, inplace=True),
+    ),
+    gives(
+        "RotaryEmbedding",
+        lambda r: close(r[0], rotated(Q, torch.arange(5, 9))),
+        lambda: ROPE(Q, K, seqlen_offsets=5),
+    ),
+    raises("RotaryEmbedding", ValueError, "seqlen_offsets must be >= 0", lambda: ROPE(Q, K, seqlen_offsets=-1)),
+    gives(
+        "RotaryEmbedding",  # odd head_dim, even rotary_dim: the tail passes through
+        lambda r: torch.equal(r[0][..., 4:], X.view(2, 4, 1, 8)[..., :7][..., 4:]),
+        lambda: rl.RotaryEmbedding(7, rotary_dim=4)(X.view(2, 4, 1, 8)[..., :7], X.view(2, 4, 1, 8)[..., :7]),
+    ),
+    raises(
+        "RotaryEmbedding",
+        ValueError,
+        "theta_rescale_factor must be a finite number > 0",
+        lambda: rl.RotaryEmbedding(8, theta_rescale_factor=math.inf),
+    ),
+    raises("RotaryEmbedding", ValueError, "freqs_for must be one of", lambda: rl.RotaryEmbedding(8, freqs_for="px")),
+    raises(
+        "RotaryEmbedding",
+        ValueError,
+        "positions must be finite",
+        lambda: rl.RotaryEmbedding(8, positions="continuous")(Q, K, torch.tensor([0.0, 1.0, math.nan, 2.0])),
+    ),
+    raises("RotaryEmbedding", TypeError, "learned_freq must be a bool", lambda: rl.RotaryEmbedding(8, learned_freq=0)),
+    gives(
+        "RotaryEmbedding",  # learned frequencies: a parameter that receives a gradient
+        lambda r: r is not None and bool(torch.isfinite(r).all()),
+        lambda: (lambda m: (m(Q, K)[0].sum().backward(), m.learned_inv_freq.grad)[1])(
+            rl.RotaryEmbedding(8, learned_freq=True)
+        ),
+    ),
+    gives(
+        "alibi_slopes",  # MPT's alibi_bias_max: 2^(-B i / n)
+        lambda r: r.tolist() == [2**-1, 2**-2, 2**-3, 2**-4],
+        lambda: rl.alibi_slopes(4, alibi_bias_max=4.0),
+    ),
+    raises(
+        "alibi_slopes",
+        ValueError,
+        "alibi_bias_max must be a finite number > 0",
+        lambda: rl.alibi_slopes(4, alibi_bias_max=-8.0),
+    ),
+    gives(
+        "rope_frequencies",  # seq_len as a 0-d integer tensor
+        lambda r: torch.equal(
+            r[0],
+            rl.rope_frequencies(
+                8, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4, seq_len=9
+            )[0],
+        ),
+        lambda: rl.rope_frequencies(
+            8, scaling={"rope_type": "dynamic", "factor": 2.0}, max_position_embeddings=4, seq_len=torch.tensor(9)
+        ),
+    ),
+    raises(
+        "scaled_inverse_frequencies",
+        ValueError,
+        "seq_len must be an int or a 0-d integer tensor",
+        lambda: rl.scaled_inverse_frequencies(8, 1e4, LINEAR, seq_len=torch.tensor([3])),
+    ),
+    gives(
+        "proportional_scaling",
+        lambda r: r[0].tolist() == [1.0, 0.0],
+        lambda: rl.scaled_inverse_frequencies(4, 1e4, {"rope_type": "proportional", "partial_rotary_factor": 0.5}),
+    ),
+    raises(
+        "ntk_rescaled_theta",
+        ValueError,
+        "theta_rescale_factor needs rotary_dim >= 4",
+        lambda: ntk_rescaled_theta(1e4, 2, 2.0),
+    ),
+    gives("pixel_inverse_frequencies", lambda r: r.tolist() == [math.pi], lambda: pixel_inverse_frequencies(2, 3.0)),
+    raises(
+        "offset_positions",
+        TypeError,
+        "seqlen_offsets must be an int or an integer tensor",
+        lambda: offset_positions(2.0, 1, 3, torch.device("cpu")),
+    ),
+    gives(
+        "no_offsets", lambda r: r == (True, True, False), lambda: (no_offsets(0), no_offsets(None), no_offsets(True))
+    ),
+    raises(
+        "check_continuous_positions",
+        TypeError,
+        "p must be a torch.Tensor",
+        lambda: check_continuous_positions([0.5], "p", batch=None, seq_len=None),
+    ),
     # ---- layouts and the reference rotation
     raises("rotate_half", ValueError, "even last dimension", lambda: rl.rotate_half(torch.ones(3))),
     raises("rotate_half", TypeError, "x must be a floating-point tensor", lambda: rl.rotate_half(torch.ones(4).long())),

@@ -284,7 +284,7 @@ def test_rope_frequencies_rounds_the_scaled_float64_once():
 
 
 def test_registry_documents_every_type():
-    assert set(ROPE_SCALINGS) == {"default", "linear", "dynamic", "yarn", "longrope", "llama3"}
+    assert set(ROPE_SCALINGS) == {"default", "linear", "dynamic", "yarn", "longrope", "llama3", "proportional"}
     for name, entry in ROPE_SCALINGS.items():
         assert entry.compute.__doc__ and ("Keys" in entry.compute.__doc__ or name == "default"), name
 

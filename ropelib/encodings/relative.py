@@ -16,7 +16,7 @@ import math
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_float_dtype, check_float_tensor, check_int
+from .._validation import check_bool, check_float_dtype, check_float_tensor, check_int, check_positive_float
 
 # ----------------------------------------------------------------------------- distances
 
@@ -181,13 +181,20 @@ class T5RelativeBias(nn.Module):
 # ----------------------------------------------------------------------------- ALiBi
 
 
-def alibi_slopes(num_heads: int) -> torch.Tensor:
-    r"""ALiBi's per-head slopes (Press et al., 2022, section 3).
+def alibi_slopes(num_heads: int, *, alibi_bias_max: float = 8.0) -> torch.Tensor:
+    r"""ALiBi's per-head slopes (Press et al., 2022, section 3), with MPT's ``alibi_bias_max``.
 
     For ``n`` a power of two the slopes are the geometric sequence
-    ``2^(-8/n), 2^(-16/n), ..., 2^(-8)``. Otherwise, with ``m`` the largest power of two below
-    ``n``, the first ``m`` slopes are those of ``m`` heads and the remaining ``n - m`` are every
-    other slope of ``2m`` heads (``2^(-4/m), 2^(-12/m), ...``), the rule in the paper's code.
+    ``2^(-B/n), 2^(-2B/n), ..., 2^(-B)`` with ``B = alibi_bias_max`` (8 in the paper). Otherwise,
+    with ``m`` the largest power of two below ``n``, the first ``m`` slopes are those of ``m``
+    heads and the remaining ``n - m`` are every other slope of ``2m`` heads
+    (``2^(-B/2m), 2^(-3B/2m), ...``), the rule in the paper's code. This is MPT's ``gen_slopes``
+    (``1 / 2^(B i / 2^ceil(log2 n))`` for ``i = 1 .. 2^ceil(log2 n)``, the even-``i`` slopes first,
+    then the odd ones, cut to ``n``) written in float64.
+
+    Args:
+        num_heads: ``n >= 1``.
+        alibi_bias_max: ``B``, finite and > 0 (MPT's config key; 8 gives the paper's slopes).
 
     Returns:
         float64 tensor of shape ``[num_heads]``.
@@ -197,9 +204,10 @@ def alibi_slopes(num_heads: int) -> torch.Tensor:
         [0.5, 0.25, 0.125, 0.0625, 0.03125, 0.015625, 0.0078125, 0.00390625]
     """
     num_heads = check_int(num_heads, "num_heads", minimum=1)
+    bias_max = check_positive_float(alibi_bias_max, "alibi_bias_max")
 
     def power_of_two(n: int) -> torch.Tensor:
-        return 2.0 ** (-8.0 * torch.arange(1, n + 1, dtype=torch.float64) / n)
+        return 2.0 ** (-bias_max * torch.arange(1, n + 1, dtype=torch.float64) / n)
 
     closest = 2 ** int(math.floor(math.log2(num_heads)))
     slopes = power_of_two(closest)
@@ -216,15 +224,17 @@ def alibi_bias(
     offset: int = 0,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    alibi_bias_max: float = 8.0,
 ) -> torch.Tensor:
     r"""ALiBi's bias ``b_ij = -m_h |j - i|``, shape ``[num_heads, query_len, key_len]``.
 
     In a causal model only ``j <= i`` survives the mask, where this is the paper's
-    ``m_h (j - i)``; the absolute value makes the same bias usable without a causal mask.
+    ``m_h (j - i)``; the absolute value makes the same bias usable without a causal mask. The
+    slopes ``m_h`` are :func:`~ropelib.alibi_slopes` ``(num_heads, alibi_bias_max=...)`` (MPT's key).
     """
     dtype = check_float_dtype(dtype)
     rel = relative_positions(query_len, key_len, offset=offset, device=device)
-    return alibi_bias_from_relative(alibi_slopes(num_heads), rel, dtype=dtype)
+    return alibi_bias_from_relative(alibi_slopes(num_heads, alibi_bias_max=alibi_bias_max), rel, dtype=dtype)
 
 
 def alibi_bias_from_relative(

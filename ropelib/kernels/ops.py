@@ -16,19 +16,32 @@ Where the call needs them, the kernels run behind the custom operators ``ropelib
 (out of place, differentiable) and ``ropelib::rotary_qk_`` (in place), registered with
 :func:`torch.library.custom_op` and a fake (shape-only) function so that :func:`torch.compile`
 traces through them without a graph break, and with a backward that is the same operator with the
-angle negated: ``dL/dx = R(-theta) dL/dy`` because a rotation's transpose is its inverse. In eager
+angle negated: ``dL/dx = R(-theta) dL/dy`` because a rotation's transpose is its inverse. The in-place
+operator, which autograd cannot differentiate itself (a mutating custom op takes no autograd formula),
+is recorded by an :class:`torch.autograd.Function` that marks ``q`` and ``k`` dirty and has the same
+backward, so ``inplace=True`` trains too (as flash-attn's does). In eager
 mode with no gradient to record, the launcher is called directly: the operator's dispatch costs
 more than the rotation itself at decoding shapes.
 """
 
 from __future__ import annotations
 
+import numbers
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from .._validation import check_bool, check_choice, check_float_tensor, check_position_range, check_positions, check_qk
+from .._validation import (
+    check_bool,
+    check_choice,
+    check_float_tensor,
+    check_int,
+    check_integer_tensor,
+    check_position_range,
+    check_positions,
+    check_qk,
+)
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens
 from .torch_kernel import rotate_qk_torch
@@ -39,6 +52,45 @@ from .torch_kernel import rotate_qk_torch
 Launcher = Callable[..., None]
 
 
+def _complex_viewable(x: torch.Tensor) -> bool:
+    """True when the pairs of ``x``'s features can be viewed as complex numbers (even strides and offset)."""
+    return x.storage_offset() % 2 == 0 and all(st % 2 == 0 for sz, st in zip(x.shape[:-1], x.stride()[:-1]) if sz > 1)
+
+
+def _launch_torch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    q_out: torch.Tensor,
+    k_out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+    conjugate: bool,
+    cu_seqlens: torch.Tensor | None = None,
+) -> None:
+    """:func:`~ropelib.kernels.torch_kernel.rotate_qk_torch`, with odd strides (an odd ``head_dim``) handled.
+
+    The interleaved layout views pairs as complex numbers, which needs even strides; otherwise the
+    rotated features are copied to a contiguous buffer, rotated there and copied back.
+    """
+    if not interleaved or all(_complex_viewable(t) for t in (q, k, q_out, k_out)):
+        rotate_qk_torch(
+            q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
+        )
+        return
+    r = 2 * cos.shape[-1]
+    q_rot, k_rot = q[..., :r].contiguous(), k[..., :r].contiguous()
+    rotate_qk_torch(
+        q_rot, k_rot, q_rot, k_rot, cos, sin, positions, interleaved=True, conjugate=conjugate, cu_seqlens=cu_seqlens
+    )
+    for x, out, rot in ((q, q_out, q_rot), (k, k_out, k_rot)):
+        out[..., :r].copy_(rot)
+        if out.data_ptr() != x.data_ptr() and r < x.shape[-1]:
+            out[..., r:].copy_(x[..., r:])
+
+
 def _launch_triton(*args: Any, **kwargs: Any) -> None:
     from .triton_kernel import launch_rotary_qk
 
@@ -46,7 +98,7 @@ def _launch_triton(*args: Any, **kwargs: Any) -> None:
 
 
 #: The kernels, ``name -> launcher``. Adding a kernel is one entry here.
-KERNELS: dict[str, Launcher] = {"torch": rotate_qk_torch, "triton": _launch_triton}
+KERNELS: dict[str, Launcher] = {"torch": _launch_torch, "triton": _launch_triton}
 #: The backends callers may ask for, ``"auto"`` (see :func:`~ropelib.choose_kernel`) or a kernel name.
 BACKENDS = ("auto", *KERNELS)
 
@@ -145,6 +197,27 @@ def _(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens=None
     return None
 
 
+class _RotateInPlace(torch.autograd.Function):
+    """The in-place rotation as autograd sees it: ``q``, ``k`` overwritten (marked dirty), backward ``R(-theta)``.
+
+    flash-attn's ``apply_rotary_emb(..., inplace=True)`` is differentiable the same way. The forward
+    runs ``ropelib::rotary_qk_`` (opaque to :func:`torch.compile`); the backward is the out-of-place
+    operator with the angle negated, itself differentiable (double backward works).
+    """
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor, interleaved: bool, conjugate: bool, kernel: str, cu_seqlens: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
+        ctx.mark_dirty(q, k)
+        ctx.save_for_backward(cos, sin, positions, cu_seqlens)
+        ctx.flags = (interleaved, conjugate, kernel)
+        return q, k
+
+    @staticmethod
+    def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return _backward(ctx, grad_q, grad_k)
+
+
 # ----------------------------------------------------------------------------- the unchecked entry
 
 
@@ -167,7 +240,9 @@ def rotate_qk(
     compute dtype; ``positions`` int64, ``[B, S]`` (a broadcast view is fine), all in ``[0, L)``;
     ``kernel`` a key of :data:`KERNELS`; ``cu_seqlens`` (validated, a packed row of batch 1) replaces
     ``positions`` by the positions within each document. Eager calls that record no gradient go straight to the
-    launcher; the others (autograd, :func:`torch.compile`) through the custom operators.
+    launcher; the others (autograd, :func:`torch.compile`) through the custom operators. In place with
+    autograd, the rotation is recorded as an in-place operation (``q`` and ``k`` must not be leaves
+    that require grad, which :func:`~ropelib.rotary_qk` checks).
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not needs_grad and not torch.compiler.is_compiling():
@@ -179,6 +254,9 @@ def rotate_qk(
             q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
         )
         return q_out, k_out
+    if inplace and needs_grad:
+        q, k = _RotateInPlace.apply(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
+        return q, k
     if inplace:
         _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
         return q, k
@@ -254,9 +332,15 @@ def _self_overlaps(t: torch.Tensor) -> bool:
 
 
 def _check_inplace(q: torch.Tensor, k: torch.Tensor) -> None:
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad):
-        raise ValueError("inplace=True does not support autograd; use inplace=False for tensors that require grad")
     for name, x in (("q", q), ("k", k)):
+        if torch.is_grad_enabled() and x.requires_grad:
+            base = None if torch.compiler.is_compiling() else x._base
+            if x.is_leaf or (base is not None and base.is_leaf):
+                raise ValueError(
+                    f"inplace=True does not support autograd on {name}: it is a leaf tensor that requires grad (or a "
+                    "view of one), which no in-place op may overwrite; rotate a non-leaf (e.g. the output of a "
+                    "projection), use inplace=False, or run under torch.no_grad()"
+                )
         if x.stride(-1) != 1:
             raise ValueError(f"inplace=True needs {name} with unit stride on head_dim, got strides {x.stride()}")
         if _self_overlaps(x):
@@ -266,6 +350,49 @@ def _check_inplace(q: torch.Tensor, k: torch.Tensor) -> None:
             )
     if not torch.compiler.is_compiling() and _overlap(q, k):
         raise ValueError("inplace=True needs q and k in separate memory (they overlap, so it would be rotated twice)")
+
+
+def no_offsets(seqlen_offsets: object) -> bool:
+    """True for the default ``seqlen_offsets=0`` (an integer 0, or None)."""
+    if seqlen_offsets is None:
+        return True
+    return isinstance(seqlen_offsets, numbers.Integral) and not isinstance(seqlen_offsets, bool) and seqlen_offsets == 0
+
+
+def offset_positions(seqlen_offsets: object, batch: int, seq: int, device: torch.device) -> torch.Tensor | None:
+    """flash-attn's ``seqlen_offsets``, checked, as positions ``offsets[b] + s`` on ``device``.
+
+    Args:
+        seqlen_offsets: an int >= 0 or an integer tensor ``[batch]`` of values >= 0 (checked as
+            :mod:`ropelib._validation` says: read on the CPU, a queued device assertion elsewhere).
+        batch, seq: the batch size and sequence length of ``q``.
+        device: where to build the positions (no value is read on the host).
+
+    Returns:
+        int64 ``[seq]`` (an int offset) or ``[batch, seq]`` (a tensor), or None for the offset 0.
+
+    Example:
+        >>> offset_positions(torch.tensor([0, 5]), 2, 3, torch.device("cpu")).tolist()
+        [[0, 1, 2], [5, 6, 7]]
+    """
+    if seqlen_offsets is None:
+        return None
+    if isinstance(seqlen_offsets, torch.Tensor):
+        offsets = check_integer_tensor(seqlen_offsets, "seqlen_offsets")
+        if tuple(offsets.shape) != (batch,):
+            raise ValueError(
+                f"seqlen_offsets must be an int or an integer tensor of shape [batch] = [{batch}], "
+                f"got shape {list(offsets.shape)}"
+            )
+        offsets = offsets.to(device).long()
+        check_position_range(offsets, "seqlen_offsets", minimum=0)
+        return offsets[:, None] + torch.arange(seq, device=device)
+    if isinstance(seqlen_offsets, bool) or not isinstance(seqlen_offsets, numbers.Integral):
+        raise TypeError(
+            f"seqlen_offsets must be an int or an integer tensor [batch], got {type(seqlen_offsets).__name__}"
+        )
+    offset = check_int(seqlen_offsets, "seqlen_offsets", minimum=0)
+    return None if offset == 0 else torch.arange(offset, offset + seq, device=device)
 
 
 def rotary_qk(
@@ -280,6 +407,7 @@ def rotary_qk(
     conjugate: bool = False,
     kernel: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
+    seqlen_offsets: int | torch.Tensor = 0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) in one fused call, gathering cos/sin by position.
 
@@ -297,7 +425,7 @@ def rotary_qk(
             (default ``0 .. seq-1``). Out-of-range values raise (see :mod:`ropelib._validation`:
             a :class:`ValueError` on the CPU, a device-side assertion on a GPU or under compile).
         layout: ``"half"`` (pairs ``(i, i + r/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
-        inplace: overwrite ``q`` and ``k`` (no autograd) and return them. They must not overlap.
+        inplace: overwrite ``q`` and ``k`` and return them. They must not overlap.
         conjugate: rotate by ``-theta`` instead (what the backward pass does).
         kernel: ``"auto"`` (see :func:`~ropelib.choose_kernel`), ``"torch"`` or ``"triton"``.
         cu_seqlens: for a packed row of several documents (flash-attn's varlen format): the
@@ -305,10 +433,16 @@ def rotary_qk(
             positions then restart at 0 in every document (:func:`~ropelib.packed_positions`) and
             ``positions`` must be None. ``q``/``k`` are ``[1, tokens, heads, head_dim]`` or
             ``[tokens, heads, head_dim]``. The Triton kernel finds each token's document itself.
+        seqlen_offsets: flash-attn's ``seqlen_offsets`` (decoding with a KV cache): an int or an
+            integer tensor ``[batch]``, >= 0, added to the default positions, so token ``s`` of row
+            ``b`` is at ``offsets[b] + s`` (must be ``< table_len``). The positions are built on
+            ``q``'s device (no host read); not with ``positions`` or ``cu_seqlens``.
 
     Returns:
-        ``(q_rotated, k_rotated)`` in the input dtypes. Differentiable with respect to ``q`` and
-        ``k`` unless ``inplace``.
+        ``(q_rotated, k_rotated)`` in the input dtypes, differentiable with respect to ``q`` and
+        ``k``. With ``inplace`` too (as flash-attn's ``inplace=True``): autograd records an in-place
+        operation whose backward is the inverse rotation, so ``q``/``k`` must not be leaf tensors
+        that require grad (a :class:`ValueError`, as PyTorch refuses in-place ops on leaves).
 
     Example:
         >>> from ropelib import RotaryEmbedding
@@ -320,6 +454,8 @@ def rotary_qk(
         (True, torch.Size([1, 4, 1, 8]))
     """
     if cu_seqlens is not None:
+        if not no_offsets(seqlen_offsets):
+            raise ValueError("give seqlen_offsets or cu_seqlens, not both: cu_seqlens defines the positions")
         return _rotary_qk_packed(q, k, cos, sin, positions, layout, inplace, conjugate, kernel, cu_seqlens)
     check_qk(q, k)
     cos, sin = _check_tables(cos, sin, q)
@@ -331,7 +467,19 @@ def rotary_qk(
     if positions is None:
         if seq > cos.shape[0]:
             raise ValueError(f"the table has {cos.shape[0]} rows but seq_len is {seq}; pass a longer cos/sin table")
-        positions = torch.arange(seq, device=q.device)
+        offset_rows = offset_positions(seqlen_offsets, batch, seq, q.device)
+        if offset_rows is None:
+            positions = torch.arange(seq, device=q.device)
+        else:
+            if isinstance(seqlen_offsets, torch.Tensor):
+                check_position_range(offset_rows, "seqlen_offsets[b] + seq_len - 1", limit=cos.shape[0])
+            elif int(seqlen_offsets) + seq > cos.shape[0]:  # an int: no tensor value is read
+                raise ValueError(
+                    f"seqlen_offsets + seq_len = {int(seqlen_offsets) + seq} exceeds the table's {cos.shape[0]} rows"
+                )
+            positions = offset_rows
+    elif not no_offsets(seqlen_offsets):
+        raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
     else:
         positions = check_positions(positions, "positions", batch=batch, seq_len=seq, limit=cos.shape[0])
         positions = positions.to(q.device)

@@ -6,7 +6,8 @@ inverse frequencies (and possibly multiplies cos and sin by an *attention factor
 longer context maps back into familiar angles. One public registry, :data:`~ropelib.scaling.registry.ROPE_SCALINGS`, holds
 one entry per ``rope_type`` (one module each: :mod:`~ropelib.scaling.default`,
 :mod:`~ropelib.scaling.linear`, :mod:`~ropelib.scaling.dynamic`, :mod:`~ropelib.scaling.yarn`,
-:mod:`~ropelib.scaling.longrope`, :mod:`~ropelib.scaling.llama3`); :func:`~ropelib.register_scaling` adds yours.
+:mod:`~ropelib.scaling.longrope`, :mod:`~ropelib.scaling.llama3`, ``ropelib.scaling.proportional``);
+:func:`~ropelib.register_scaling` adds yours.
 
 The dict is read with the keys and defaults of model ``config.json`` files (Hugging Face's
 ``rope_scaling`` / ``rope_parameters``): ``"rope_type"`` (``"type"`` is an alias), ``"factor"``,
@@ -30,14 +31,15 @@ from typing import Any
 
 import torch
 
-from .._validation import check_choice, check_int, check_positive_float
+from .._validation import check_choice, check_int, check_integer_tensor, check_positive_float
 from ..frequencies import default_inverse_frequencies, rotary_dim_for
-from . import default, dynamic, linear, llama3, longrope, yarn  # noqa: F401  (each registers its rope_type)
+from . import default, dynamic, linear, llama3, longrope, proportional, yarn  # noqa: F401  (each registers its rope_type)
 from .default import default_scaling
 from .dynamic import dynamic_ntk_scaling
 from .linear import linear_scaling
 from .llama3 import llama3_scaling
 from .longrope import longrope_scaling
+from .proportional import proportional_scaling
 from .registry import COMMON_KEYS, ROPE_SCALINGS, RopeScaling, register_scaling
 from .yarn import yarn_correction_dim, yarn_get_mscale, yarn_ramp, yarn_scaling
 
@@ -51,6 +53,7 @@ __all__ = [
     "linear_scaling",
     "llama3_scaling",
     "longrope_scaling",
+    "proportional_scaling",
     "register_scaling",
     "rope_frequencies",
     "rope_type_of",
@@ -120,7 +123,7 @@ def validate_scaling(
         raise TypeError(f"ignore_keys must be an iterable of str, got {ignore_keys!r}")
     entry = ROPE_SCALINGS[rope_type]
     keys = set(scaling) - set(ignore_keys)
-    if "partial_rotary_factor" in keys:
+    if "partial_rotary_factor" in keys - entry.optional:
         raise ValueError(
             "scaling['partial_rotary_factor'] is not read here: pass partial_rotary_factor= to rope_frequencies "
             "(RotaryEmbedding.from_config does this for a config dict)"
@@ -150,7 +153,7 @@ def scaled_inverse_frequencies(
     scaling: Mapping[str, Any],
     *,
     max_position_embeddings: int | None = None,
-    seq_len: int | None = None,
+    seq_len: int | torch.Tensor | None = None,
     ignore_keys: Iterable[str] = (),
 ) -> tuple[torch.Tensor, float]:
     r"""``(inv_freq, attention_scaling)`` for a ``rope_scaling`` dict, the inverse frequencies in float64.
@@ -161,7 +164,8 @@ def scaled_inverse_frequencies(
         scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`~ropelib.scaling.registry.ROPE_SCALINGS`.
         max_position_embeddings: the model's context length (read by ``dynamic``, and as the
             default of ``original_max_position_embeddings`` / ``factor`` by the others).
-        seq_len: the current sequence length (read by ``dynamic`` and ``longrope``).
+        seq_len: the current sequence length (read by ``dynamic`` and ``longrope``): an int or a
+            0-d integer tensor (converted to an int here, off the hot path).
         ignore_keys: model-specific keys of ``scaling`` to let through unread.
 
     Returns:
@@ -178,20 +182,31 @@ def scaled_inverse_frequencies(
     theta = check_positive_float(theta, "theta")
     if max_position_embeddings is not None:
         max_position_embeddings = check_int(max_position_embeddings, "max_position_embeddings", minimum=1)
-    if seq_len is not None:
-        seq_len = check_int(seq_len, "seq_len", minimum=0)
+    seq_len = _seq_len(seq_len)
     rope_type = validate_scaling(
         scaling, theta, max_position_embeddings=max_position_embeddings, ignore_keys=ignore_keys
     )
     inv_freq, attention_scaling = ROPE_SCALINGS[rope_type].compute(
         rotary_dim, theta, scaling, max_position_embeddings=max_position_embeddings, seq_len=seq_len
     )
-    if not (torch.isfinite(inv_freq).all() and inv_freq.gt(0).all()) or not 0 < attention_scaling < float("inf"):
+    if not (torch.isfinite(inv_freq).all() and inv_freq.ge(0).all()) or not 0 < attention_scaling < float("inf"):
         raise ValueError(
-            f"rope_type={rope_type!r} gave non-finite or non-positive frequencies or attention scaling "
+            f"rope_type={rope_type!r} gave non-finite or negative frequencies or attention scaling "
             f"({attention_scaling}) for theta={theta}, rotary_dim={rotary_dim}; check the scaling's values"
         )
     return inv_freq, attention_scaling
+
+
+def _seq_len(seq_len: object) -> int | None:
+    """``seq_len`` as an int >= 0 (or None); a 0-d integer tensor (a traced length) is read here, off the hot path."""
+    if isinstance(seq_len, torch.Tensor):
+        check_integer_tensor(seq_len, "seq_len")
+        if seq_len.ndim != 0:
+            raise ValueError(f"seq_len must be an int or a 0-d integer tensor, got shape {list(seq_len.shape)}")
+        if seq_len.device.type == "meta":
+            raise ValueError("seq_len must be an int or a 0-d integer tensor with a value, got a meta tensor")
+        seq_len = int(seq_len.item())
+    return None if seq_len is None else check_int(seq_len, "seq_len", minimum=0)
 
 
 def frequency_seq_len(
@@ -226,18 +241,22 @@ def inverse_frequencies64(
     scaling: Mapping[str, Any] | None = None,
     *,
     max_position_embeddings: int | None = None,
-    seq_len: int | None = None,
+    seq_len: int | torch.Tensor | None = None,
     partial_rotary_factor: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
     """Like :func:`~ropelib.rope_frequencies` but in float64: the tables are built from these."""
     rotary_dim = rotary_dim_for(head_dim, partial_rotary_factor)
     theta = check_positive_float(theta, "theta")
+    seq_len = _seq_len(seq_len)
     if scaling is None:
         if max_position_embeddings is not None:
             check_int(max_position_embeddings, "max_position_embeddings", minimum=1)
-        if seq_len is not None:
-            check_int(seq_len, "seq_len", minimum=0)
         return default_inverse_frequencies(rotary_dim, theta), 1.0
+    if rotary_dim != head_dim and rope_type_of(scaling) == "proportional":
+        raise ValueError(
+            "rope_type='proportional' reads scaling['partial_rotary_factor'] and spans all of head_dim: "
+            "pass partial_rotary_factor=1.0 here (and the fraction in the dict, as transformers does)"
+        )
     return scaled_inverse_frequencies(
         rotary_dim, theta, scaling, max_position_embeddings=max_position_embeddings, seq_len=seq_len
     )
@@ -249,7 +268,7 @@ def rope_frequencies(
     scaling: Mapping[str, Any] | None = None,
     *,
     max_position_embeddings: int | None = None,
-    seq_len: int | None = None,
+    seq_len: int | torch.Tensor | None = None,
     partial_rotary_factor: float = 1.0,
 ) -> tuple[torch.Tensor, float]:
     r"""RoPE's inverse frequencies and the factor that multiplies cos and sin.
@@ -262,7 +281,8 @@ def rope_frequencies(
         theta: the base (10000 in RoFormer, 500000 in Llama 3, 1e6 in the seed and Qwen2).
         scaling: a Hugging Face-style ``rope_scaling`` dict, or ``None``. See :mod:`ropelib.scaling`.
         max_position_embeddings: the model's context length (read by some scalings).
-        seq_len: the current sequence length (read by dynamic NTK).
+        seq_len: the current sequence length (read by dynamic NTK): an int, or a 0-d integer
+            tensor (read on the host here: this is not a hot-path function).
         partial_rotary_factor: fraction of ``head_dim`` that is rotated.
 
     Returns:

@@ -62,7 +62,7 @@ class HFRotaryEmbedding(nn.Module):
         backend: how the patched apply function rotates with these tables: ``"auto"``,
             ``"torch"`` or ``"triton"`` (see :class:`ropelib.RotaryEmbedding`).
         original: the module this one replaces; :func:`~ropelib.unpatch_hf_rope` puts it back.
-        output: one of :data:`OUTPUTS` (above).
+        output: one of :data:`~ropelib.integrations.huggingface.module.OUTPUTS` (above).
         rope_options: :class:`~ropelib.RotaryEmbedding` arguments by layer type (key ``None``
             for a single setting); by default ``{None: rope_config(config)}``.
         mrope_section: ``(s_t, s_h, s_w)`` for M-RoPE, or None.
