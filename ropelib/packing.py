@@ -119,7 +119,7 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int | None = None) 
 
 
 def positions_in_documents(cu_seqlens: torch.Tensor, total_tokens: int) -> torch.Tensor:
-    """:func:`packed_positions` without argument checks (validated ``cu_seqlens``, known ``total_tokens``)."""
+    """:func:`~ropelib.packed_positions` without argument checks (validated ``cu_seqlens``, known ``total_tokens``)."""
     cu = cu_seqlens.long()
     tokens = torch.arange(total_tokens, device=cu.device)
     # j(t) = (number of boundaries <= t) - 1; right=True skips the empty documents ending at t.

@@ -55,7 +55,7 @@ CACHE_POSITIONS = 1 << 16
 
 #: The frequency families, rotary-embedding-torch's ``freqs_for``: ``"lang"`` (``theta^{-2i/r}``) and ``"pixel"``.
 FREQS_FOR = ("lang", "pixel")
-#: The positions a module accepts: ``"integer"`` token indices (>= 0) or ``"continuous"`` finite reals.
+#: Which positions a module accepts, ``"integer"`` token indices (>= 0) or ``"continuous"`` finite reals.
 POSITION_KINDS = ("integer", "continuous")
 
 
