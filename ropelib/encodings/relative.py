@@ -16,7 +16,14 @@ import math
 import torch
 from torch import nn
 
-from .._validation import check_bool, check_float_dtype, check_float_tensor, check_int, check_positive_float
+from .._validation import (
+    check_bool,
+    check_float_dtype,
+    check_float_tensor,
+    check_int,
+    check_integer_tensor,
+    check_positive_float,
+)
 
 # ----------------------------------------------------------------------------- distances
 
@@ -43,14 +50,7 @@ def relative_positions(
 
 def _check_relative(relative_position: object, ndim_at_least: int = 0) -> torch.Tensor:
     """An integer tensor of relative positions ``j - i`` (int64), of rank >= ``ndim_at_least``."""
-    if not isinstance(relative_position, torch.Tensor):
-        raise TypeError(f"relative_position must be an integer torch.Tensor, got {type(relative_position).__name__}")
-    if (
-        relative_position.dtype.is_floating_point
-        or relative_position.dtype.is_complex
-        or relative_position.dtype == torch.bool
-    ):
-        raise TypeError(f"relative_position must be an integer tensor, got {relative_position.dtype}")
+    relative_position = check_integer_tensor(relative_position, "relative_position")
     if relative_position.ndim < ndim_at_least:
         raise ValueError(
             f"relative_position must have at least {ndim_at_least} dimensions ([..., query_len, key_len]), "
