@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from ._validation import check_bool, check_choice, check_int, check_integer_tensor, check_position_range, check_qk
-from .kernels.ops import BACKENDS, choose_kernel, rotate_qk
+from .kernels.ops import BACKENDS, rotate_by_token_tables
 from .layouts import LAYOUTS
 from .reference import rotate
 from .rotary import RotaryEmbedding
@@ -234,27 +234,7 @@ class MRotaryEmbedding(nn.Module):
         cos, sin = self.tables(positions, compute)  # [1 or batch, seq, r/2]
         if q.dtype == torch.float64:
             return rotate(q, cos, sin, self.layout), rotate(k, cos, sin, self.layout)
-        return rotate_per_token(q, k, cos, sin, interleaved=self.layout == "interleaved", backend=self.backend)
+        return rotate_by_token_tables(q, k, cos, sin, interleaved=self.layout == "interleaved", backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"mrope_section={list(self.mrope_section)}, interleaved={self.interleaved}, {self.rope.extra_repr()}"
-
-
-def rotate_per_token(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, backend: str
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q, k`` ``[batch, seq, heads, d]`` by per-token tables ``[1 or batch, seq, r/2]`` with ropelib's kernels, unchecked.
-
-    The tables are flattened to one ``[rows, r/2]`` table and each token is given its own row,
-    so the kernels need no positions and no range checks (no device synchronisation).
-    """
-    batch, seq = q.shape[:2]
-    kernel = choose_kernel(backend, q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    if cos.shape[0] == 1:  # one row of positions shared by the whole batch
-        rows = torch.arange(seq, device=q.device).expand(batch, seq)
-        return rotate_qk(q, k, cos[0].contiguous(), sin[0].contiguous(), rows, interleaved=interleaved, kernel=kernel)
-    rows = torch.arange(batch * seq, device=q.device).view(batch, seq)
-    flat_cos, flat_sin = cos.reshape(batch * seq, -1).contiguous(), sin.reshape(batch * seq, -1).contiguous()
-    return rotate_qk(q, k, flat_cos, flat_sin, rows, interleaved=interleaved, kernel=kernel)

@@ -146,7 +146,7 @@ def test_prefill_logits_match_unpatched(family: str, scaling: str, monkeypatch: 
     assert isinstance(patched.model.rotary_emb, HFRotaryEmbedding)
     ids, mask = left_padded_batch([24, 17, 9], total=24)
     positions = positions_from_mask(mask)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_qk")
+    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
     with torch.no_grad():
         for kwargs in ({"attention_mask": mask, "position_ids": positions}, {}):  # padded, then default positions
             expected = reference(ids, **kwargs).logits
@@ -168,7 +168,7 @@ def test_cached_decoding_with_left_padding_matches_unpatched(
     prompt, mask = left_padded_batch([10, 7, 4], total=10)
     steps = torch.randint(1, 100, (3, 10), generator=torch.Generator().manual_seed(2))
     caches = [transformers.DynamicCache(config=m.config) for m in (reference, patched)]
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_qk")
+    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
     with torch.no_grad():
         outs = [
             m(prompt, attention_mask=mask, position_ids=positions_from_mask(mask), cache=c, use_cache=True).logits
@@ -281,7 +281,7 @@ def test_patched_attention_rotates_with_ropelib(monkeypatch: pytest.MonkeyPatch)
     model = patch_hf_rope(tiny_model("llama"))
     wrapper = modeling_llama.apply_rotary_pos_emb
     assert isinstance(wrapper, hf.apply.RopelibApply)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_qk")
+    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
     original_calls = count_calls(monkeypatch, wrapper, "original")
     with torch.no_grad():
         model(torch.arange(1, 9)[None])
@@ -634,7 +634,7 @@ def test_new_families_match_unpatched(name: str, monkeypatch: pytest.MonkeyPatch
     patched = patched_copy(reference)
     assert len(rotary_modules(patched)) == 1
     ids, mask = left_padded_batch([12, 9, 5], total=12)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_qk")
+    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
     with torch.no_grad():
         for kwargs in ({"attention_mask": mask, "position_ids": positions_from_mask(mask)}, {}):
             assert_logits_close(

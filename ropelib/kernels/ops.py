@@ -263,6 +263,27 @@ def rotate_qk(
     return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
 
 
+def rotate_by_token_tables(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, backend: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rotate ``q, k`` ``[batch, seq, heads, d]`` by per-token tables ``[1 or batch, seq, r/2]``, unchecked.
+
+    The tables are flattened to one ``[rows, r/2]`` table and each token is given its own row,
+    so the kernels need no positions and no range checks (no device synchronisation). Used where
+    the tables are made per token (the Hugging Face patch, M-RoPE).
+    """
+    batch, seq = q.shape[:2]
+    kernel = choose_kernel(backend, q.device)
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    k = k if k.stride(-1) == 1 else k.contiguous()
+    if cos.shape[0] == 1:  # one row of positions shared by the whole batch
+        rows = torch.arange(seq, device=q.device).expand(batch, seq)
+        return rotate_qk(q, k, cos[0].contiguous(), sin[0].contiguous(), rows, interleaved=interleaved, kernel=kernel)
+    rows = torch.arange(batch * seq, device=q.device).view(batch, seq)
+    flat_cos, flat_sin = cos.reshape(batch * seq, -1).contiguous(), sin.reshape(batch * seq, -1).contiguous()
+    return rotate_qk(q, k, flat_cos, flat_sin, rows, interleaved=interleaved, kernel=kernel)
+
+
 # ----------------------------------------------------------------------------- the public door
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from ...kernels.ops import choose_kernel, rotate_qk
+from ...kernels.ops import rotate_by_token_tables
 from .module import HFRotaryEmbedding
 
 #: every HFRotaryEmbedding that patch_hf_rope put into a model and unpatch_hf_rope has not taken out
@@ -39,26 +39,6 @@ def installed_tables(key: object) -> Tables | None:
         if tables is not None:
             return module, tables[0], tables[1]
     return None
-
-
-def rotate_with_tables(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, backend: str, *, interleaved: bool = False
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q, k`` (``[batch, seq, heads, d]``) by per-token tables ``[1 or batch, seq, r/2]``.
-
-    The tables are handed to the kernels as a ``[rows, r/2]`` table with one row per token, so
-    the kernels need no positions and no range checks (no device synchronisation).
-    """
-    batch, seq = q.shape[:2]
-    kernel = choose_kernel(backend, q.device)
-    q = q if q.stride(-1) == 1 else q.contiguous()
-    k = k if k.stride(-1) == 1 else k.contiguous()
-    if cos.shape[0] == 1:  # one row of positions shared by the whole batch
-        rows = torch.arange(seq, device=q.device).expand(batch, seq)
-        return rotate_qk(q, k, cos[0], sin[0], rows, interleaved=interleaved, kernel=kernel)
-    rows = torch.arange(batch * seq, device=q.device).view(batch, seq)
-    flat_cos, flat_sin = cos.reshape(batch * seq, -1), sin.reshape(batch * seq, -1)
-    return rotate_qk(q, k, flat_cos, flat_sin, rows, interleaved=interleaved, kernel=kernel)
 
 
 def _fits(found: Tables | None, *tensors: object, seq_dim: int = 1) -> Tables | None:
@@ -90,7 +70,7 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
     module, cos_half, sin_half = found
     if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = rotate_with_tables(q, k, cos_half, sin_half, module.backend, interleaved=interleaved)
+    q, k = rotate_by_token_tables(q, k, cos_half, sin_half, interleaved=interleaved, backend=module.backend)
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     return q, k
@@ -114,7 +94,7 @@ def _run_tensor_sin_cos(args: tuple[Any, ...], kwargs: dict[str, Any], interleav
         return None
     module, cos_half, sin_half = found
     # The kernels rotate a query and a key together; one head of x stands in for the key.
-    out, _ = rotate_with_tables(x, x[:, :, :1], cos_half, sin_half, module.backend, interleaved=interleaved)
+    out, _ = rotate_by_token_tables(x, x[:, :, :1], cos_half, sin_half, interleaved=interleaved, backend=module.backend)
     return out
 
 
@@ -135,7 +115,7 @@ def _run_qk_freqs(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bo
     if found is None:
         return None
     module, cos_half, sin_half = found
-    return rotate_with_tables(q, k, cos_half, sin_half, module.backend, interleaved=interleaved)
+    return rotate_by_token_tables(q, k, cos_half, sin_half, interleaved=interleaved, backend=module.backend)
 
 
 def _probe_qk_freqs(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
