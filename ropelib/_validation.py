@@ -37,8 +37,8 @@ from collections.abc import Sequence
 
 import torch
 
-FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
-INTEGER_DTYPES = (torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32)
+FLOAT_DTYPES = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64})
+INTEGER_DTYPES = frozenset({torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16, torch.uint32})
 
 
 def check_int(value: object, name: str, *, minimum: int | None = None, maximum: int | None = None) -> int:
@@ -119,9 +119,9 @@ def check_integer_tensor(x: object, name: str) -> torch.Tensor:
     """An integer tensor that int64 holds exactly: int8..int64, uint8..uint32 (not uint64, bool, float, complex)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be an integer torch.Tensor, got {type(x).__name__}")
-    if x.dtype == torch.uint64:
-        raise TypeError(f"{name} must be an integer tensor that int64 holds exactly; got uint64 (use int64)")
     if x.dtype not in INTEGER_DTYPES:
+        if x.dtype == torch.uint64:
+            raise TypeError(f"{name} must be an integer tensor that int64 holds exactly; got uint64 (use int64)")
         raise TypeError(f"{name} must be an integer tensor, got {x.dtype}")
     return x
 
@@ -161,28 +161,39 @@ def values_readable(x: torch.Tensor) -> bool:
 
 def check_position_range(
     positions: torch.Tensor, name: str, *, minimum: int | None = 0, limit: int | None = None
-) -> None:
+) -> tuple[int, int] | None:
     """All of ``positions`` in ``[minimum, limit)`` (either bound may be None), by the rule of this module.
 
     Eager on the CPU: :class:`ValueError` naming the extreme value. On a GPU or under
     :func:`torch.compile`: a queued device-side assertion (no synchronisation), see the module docstring.
+
+    Returns:
+        ``(smallest, largest)`` position when they were read on the host (eager, CPU, not empty),
+        so that a caller that needs them (to size a table) does not read them again; else None.
     """
-    if positions.numel() == 0 or (minimum is None and limit is None) or positions.device.type == "meta":
-        return
-    bounds = f">= {minimum}" if limit is None else f"in [{0 if minimum is None else minimum}, {limit})"
+    if positions.numel() == 0 or positions.device.type == "meta":
+        return None
     if values_readable(positions):
-        low, high = (int(v) for v in torch.aminmax(positions.long()))
+        values = positions if positions.dtype == torch.int64 else positions.long()
+        if values.numel() == 1:  # a decoding step: one read, no reduction
+            low = high = int(values.item())
+        else:
+            low, high = (int(v) for v in torch.aminmax(values))
         if minimum is not None and low < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got a minimum of {low}")
         if limit is not None and high >= limit:
             raise ValueError(f"{name} must be < {limit} (the table's size), got a maximum of {high}")
-        return
+        return low, high
+    if minimum is None and limit is None:
+        return None
+    bounds = f">= {minimum}" if limit is None else f"in [{0 if minimum is None else minimum}, {limit})"
     ok = torch.ones((), dtype=torch.bool, device=positions.device)
     if minimum is not None:
         ok = ok & (positions >= minimum).all()
     if limit is not None:
         ok = ok & (positions < limit).all()
     torch._assert_async(ok, f"{name} must be {bounds}")
+    return None
 
 
 def check_positions(
@@ -201,12 +212,19 @@ def check_positions(
     rounded: a position is a token index. Values are checked by :func:`check_position_range`.
     """
     positions = check_integer_tensor(positions, name)
-    shapes = [(seq_len,)] + ([(batch, seq_len), (1, seq_len)] if batch is not None else [])
-    if tuple(positions.shape) not in shapes:
+    shape = positions.shape
+    if (
+        shape[-1:] != (seq_len,)
+        or len(shape) > 2
+        or (len(shape) == 2 and (batch is None or shape[0] not in (1, batch)))
+    ):
+        shapes = [(seq_len,)] + ([(batch, seq_len), (1, seq_len)] if batch is not None else [])
         expected = " or ".join(str(list(s)) for s in dict.fromkeys(shapes))
         raise ValueError(f"{name} must have shape {expected}, got {list(positions.shape)}")
-    positions = positions.long()
-    check_position_range(positions, name, minimum=minimum, limit=limit)
-    if positions.ndim == 2 and positions.shape[0] == 1 and batch is not None and batch != 1:
+    if positions.dtype != torch.int64:
+        positions = positions.long()
+    if minimum is not None or limit is not None:
+        check_position_range(positions, name, minimum=minimum, limit=limit)
+    if len(shape) == 2 and shape[0] == 1 and batch is not None and batch != 1:
         positions = positions.expand(batch, seq_len)
     return positions

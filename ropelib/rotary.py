@@ -43,7 +43,8 @@ from ._validation import (
 )
 from .config import rope_config
 from .frequencies import angle_tables, ntk_rescaled_theta, pixel_inverse_frequencies
-from .kernels.ops import BACKENDS, choose_kernel, no_offsets, offset_positions, rotate_qk
+from .kernels.ops import BACKENDS, choose_kernel, kernel_for, no_offsets, offset_positions, rotate_qk
+from .kernels.torch_kernel import few_elements, rotate_half_few, split_wide, wide_table
 from .layouts import LAYOUTS
 from .packing import check_cu_seqlens, positions_in_documents
 from .reference import rotate
@@ -188,6 +189,10 @@ class RotaryEmbedding(nn.Module):
             self._proportional_fraction()
         self._follows_length = ROPE_SCALINGS[rope_type].follows_length
         self._check_combinations()
+        # the options under which the few-token path applies (see _few_path)
+        self._few_options = (
+            self.layout == "half" and self.rotary_dim == self.head_dim and not self.learned_freq
+        ) and not self._follows_length
         self.reset_parameters()
 
     def _proportional_fraction(self) -> None:
@@ -244,6 +249,7 @@ class RotaryEmbedding(nn.Module):
         self._inv_on: dict[torch.device, torch.Tensor] = {}
         self._cos = torch.empty(0, self.rotary_dim // 2, device="cpu")
         self._sin = torch.empty(0, self.rotary_dim // 2, device="cpu")
+        self._wide: torch.Tensor | None = None  # the cache in the form of the few-token path, [L, 2, r] (_wide_rows)
 
     @property
     def inv_freq(self) -> torch.Tensor:
@@ -335,23 +341,37 @@ class RotaryEmbedding(nn.Module):
 
     def check_qk(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None) -> torch.Tensor | None:
         """Validate ``q``, ``k`` and ``positions``; return the positions as int64 on ``q``'s device (or None)."""
+        return self._check_qk(q, k, positions)[0]
+
+    def _check_qk(
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, tuple[int, int] | None]:
+        """:meth:`check_qk`, with the smallest and largest position when they were read (see :mod:`ropelib._validation`)."""
         check_qk(q, k, head_dim=self.head_dim)
         if positions is None:
-            return None
+            return None, None
         if self.position_kind == "continuous":
             positions = check_continuous_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
+            bounds = None
         else:
-            positions = check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1])
-        return positions.to(q.device)
+            positions = check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1], minimum=None)
+            bounds = check_position_range(positions, "positions", minimum=0)
+        return (positions if positions.device == q.device else positions.to(q.device)), bounds
 
     def tables_for(
-        self, positions: torch.Tensor | None, seq_len: int, device: torch.device, dtype: torch.dtype
+        self,
+        positions: torch.Tensor | None,
+        seq_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+        bounds: tuple[int, int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """``(cos, sin, rows)`` for the kernels: a ``[L, r/2]`` table and the row of each token (None: ``0 .. seq-1``).
 
         Validated ``positions`` (int64, or floating for ``positions="continuous"``, on ``device``) or
-        None. Reads position values only where that is free (see the module docstring). Floating
-        positions and learned frequencies always get rows computed for them.
+        None; ``bounds``, their smallest and largest value if the caller has read them. Reads position
+        values only where that is free (see the module docstring). Floating positions and learned
+        frequencies always get rows computed for them.
         """
         if self._follows_length:  # dynamic / longrope: the length is read on the host, as transformers does
             needed = seq_len if positions is None or positions.numel() == 0 else int(positions.max()) + 1
@@ -366,13 +386,18 @@ class RotaryEmbedding(nn.Module):
         elif positions is None:
             cos, sin = self.cos_sin_cache(max(seq_len, 1), device)
             return cos, sin, None
-        elif values_readable(positions) and positions.numel():
-            low, high = (int(v) for v in torch.aminmax(positions))
-            if low >= 0 and high < self.cache_limit:
-                cos, sin = self.cos_sin_cache(high + 1, device)
+        else:
+            bounds = bounds or self._readable_bounds(positions)
+            if bounds is not None and bounds[0] >= 0 and bounds[1] < self.cache_limit:
+                cos, sin = self.cos_sin_cache(bounds[1] + 1, device)
                 return cos, sin, positions
         cos, sin = self.rows(positions)
         return cos.reshape(-1, cos.shape[-1]), sin.reshape(-1, sin.shape[-1]), self._row_index(positions)
+
+    @staticmethod
+    def _readable_bounds(positions: torch.Tensor) -> tuple[int, int] | None:
+        """``(min, max)`` of ``positions`` when they can be read for free (eager, CPU, not empty), else None."""
+        return check_position_range(positions, "positions", minimum=None) if values_readable(positions) else None
 
     @staticmethod
     def _row_index(positions: torch.Tensor) -> torch.Tensor:
@@ -392,12 +417,12 @@ class RotaryEmbedding(nn.Module):
             if not no_offsets(seqlen_offsets):
                 raise ValueError("give seqlen_offsets or cu_seqlens, not both: cu_seqlens defines the positions")
             return self.rotate_packed(q, k, positions, cu_seqlens)
-        checked = self.check_qk(q, k, positions)
-        if not no_offsets(seqlen_offsets):
+        checked, bounds = self._check_qk(q, k, positions)
+        if seqlen_offsets is not None and not (type(seqlen_offsets) is int and seqlen_offsets == 0):
             if checked is not None:
                 raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
             checked = offset_positions(seqlen_offsets, q.shape[0], q.shape[1], q.device)
-        return self.rotate(q, k, checked)
+        return self.rotate(q, k, checked, bounds=bounds)
 
     def rotate_packed(
         self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, cu_seqlens: torch.Tensor
@@ -439,12 +464,21 @@ class RotaryEmbedding(nn.Module):
         return (q[0], k[0]) if flat else (q, k)
 
     def rotate(
-        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
+        self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None, *, bounds: tuple[int, int] | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The module's call without argument checks, for callers that ran :meth:`check_qk` (attention layers, xPos)."""
+        """The module's call without argument checks, for callers that ran :meth:`check_qk` (attention layers, xPos).
+
+        ``bounds``: the smallest and largest position, if the caller has read them (else they are
+        read here when that is free).
+        """
         batch, seq = q.shape[:2]
+        kernel = kernel_for(self.backend, q.device)
+        if self._few_path(q, k, kernel):
+            wide = self._wide_rows(positions, seq, q.device, bounds)
+            if wide is not None:
+                return rotate_half_few(q, k, *wide)
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        cos, sin, rows = self.tables_for(positions, seq, q.device, compute)
+        cos, sin, rows = self.tables_for(positions, seq, q.device, compute, bounds)
         if q.dtype == torch.float64 or self._differentiable_tables():  # plain differentiable operations
             rows = torch.arange(seq, device=q.device) if rows is None else rows
             cos, sin = cos[rows], sin[rows]
@@ -452,10 +486,47 @@ class RotaryEmbedding(nn.Module):
         rows = torch.arange(seq, device=q.device) if rows is None else rows
         q = q if q.stride(-1) == 1 else q.contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
-        kernel = choose_kernel(self.backend, q.device)
         return rotate_qk(
             q, k, cos, sin, rows.expand(batch, seq), interleaved=self.layout == "interleaved", kernel=kernel
         )
+
+    def _few_path(self, q: torch.Tensor, k: torch.Tensor, kernel: str) -> bool:
+        """True for a call that :func:`~ropelib.kernels.torch_kernel.rotate_half_few` serves: a few float32 tokens
+        in eager inference, the PyTorch kernel, the "half" layout, every feature rotated, fixed frequencies."""
+        return (
+            kernel == "torch"
+            and self._few_options
+            and few_elements(q, k, self.rotary_dim, torch.float32, False)
+            and not torch.compiler.is_compiling()
+            and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+        )
+
+    def _wide_rows(
+        self, positions: torch.Tensor | None, seq: int, device: torch.device, bounds: tuple[int, int] | None
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Rows of the cached :func:`~ropelib.kernels.torch_kernel.wide_table` for ``positions``, or None where the
+        cache cannot serve them without reading a device (the general path then computes them)."""
+        wide = self._wide
+        if positions is not None and bounds is not None and bounds[0] == bounds[1]:  # one position: decoding
+            if wide is not None and 0 <= bounds[0] < wide.shape[0] and wide.device == device:
+                return split_wide(wide[bounds[0]])
+        if positions is None:
+            bounds = (0, seq - 1)
+        elif positions.is_floating_point():
+            return None
+        else:
+            bounds = bounds or self._readable_bounds(positions)
+        if bounds is None or bounds[0] < 0 or bounds[1] >= self.cache_limit:
+            return None
+        if wide is None or bounds[1] >= wide.shape[0] or wide.device != device:
+            cos, sin = self.cos_sin_cache(bounds[1] + 1, device)
+            wide = self._wide = wide_table(cos, sin)  # forgotten with the cache (_forget_tables)
+        if positions is None:
+            return split_wide(wide[:seq].unsqueeze(-3))  # [seq, 1, r]: over batch and heads
+        if bounds[0] == bounds[1]:
+            return split_wide(wide[bounds[0]])
+        rows = wide.index_select(0, positions.reshape(-1))
+        return split_wide(rows.view(*positions.shape, 1, *rows.shape[1:]))
 
     def _differentiable_tables(self) -> bool:
         """True when the tables carry a gradient (learned frequencies, recording): the kernels would drop it."""

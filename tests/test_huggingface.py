@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -123,16 +124,23 @@ def assert_logits_close(expected: torch.Tensor, got: torch.Tensor, mask: torch.T
     assert diff <= LOGIT_ATOL, f"max |logit difference| = {diff:.3g} > {LOGIT_ATOL}"
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, name: str) -> list[int]:
+def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, *names: str) -> list[int]:
+    """Count the calls of ``owner``'s functions ``names`` (all together) while the test runs."""
     calls = [0]
-    inner = getattr(owner, name)
+    for name in names:
+        inner = getattr(owner, name)
 
-    def counted(*args: object, **kwargs: object) -> object:
-        calls[0] += 1
-        return inner(*args, **kwargs)
+        def counted(*args: object, inner: Any = inner, **kwargs: object) -> object:
+            calls[0] += 1
+            return inner(*args, **kwargs)
 
-    monkeypatch.setattr(owner, name, counted)
+        monkeypatch.setattr(owner, name, counted)
     return calls
+
+
+def count_ropelib_rotations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Calls of the patched apply function that ropelib's kernels served (the few-token path included)."""
+    return count_calls(monkeypatch, hf.apply, "rotate_by_token_tables", "rotate_half_few")
 
 
 # ----------------------------------------------------------------------------- logits
@@ -146,7 +154,7 @@ def test_prefill_logits_match_unpatched(family: str, scaling: str, monkeypatch: 
     assert isinstance(patched.model.rotary_emb, HFRotaryEmbedding)
     ids, mask = left_padded_batch([24, 17, 9], total=24)
     positions = positions_from_mask(mask)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
     with torch.no_grad():
         for kwargs in ({"attention_mask": mask, "position_ids": positions}, {}):  # padded, then default positions
             expected = reference(ids, **kwargs).logits
@@ -168,7 +176,7 @@ def test_cached_decoding_with_left_padding_matches_unpatched(
     prompt, mask = left_padded_batch([10, 7, 4], total=10)
     steps = torch.randint(1, 100, (3, 10), generator=torch.Generator().manual_seed(2))
     caches = [transformers.DynamicCache(config=m.config) for m in (reference, patched)]
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
     with torch.no_grad():
         outs = [
             m(prompt, attention_mask=mask, position_ids=positions_from_mask(mask), cache=c, use_cache=True).logits
@@ -281,7 +289,7 @@ def test_patched_attention_rotates_with_ropelib(monkeypatch: pytest.MonkeyPatch)
     model = patch_hf_rope(tiny_model("llama"))
     wrapper = modeling_llama.apply_rotary_pos_emb
     assert isinstance(wrapper, hf.apply.RopelibApply)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
     original_calls = count_calls(monkeypatch, wrapper, "original")
     with torch.no_grad():
         model(torch.arange(1, 9)[None])
@@ -634,7 +642,7 @@ def test_new_families_match_unpatched(name: str, monkeypatch: pytest.MonkeyPatch
     patched = patched_copy(reference)
     assert len(rotary_modules(patched)) == 1
     ids, mask = left_padded_batch([12, 9, 5], total=12)
-    ropelib_calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
     with torch.no_grad():
         for kwargs in ({"attention_mask": mask, "position_ids": positions_from_mask(mask)}, {}):
             assert_logits_close(

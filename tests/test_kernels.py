@@ -297,18 +297,51 @@ def test_out_of_range_positions_never_give_numbers_under_compile(kernel: str) ->
 
 @LAYOUT
 @pytest.mark.parametrize("few", [True, False])
-def test_torch_kernel_paths_for_few_and_many_tokens(layout: str, few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # The PyTorch kernel rotates a few tokens (decoding) with list operations and many with
-    # whole-tensor ones; both against the rotation matrices, in place and out of place, partial rotary.
+@pytest.mark.parametrize("rotary_dim", [16, 12])
+@pytest.mark.parametrize("positions", [[[0, 3, 39, 7, 7], [1, 2, 3, 4, 5]], [[39]], [[0], [17]]])
+def test_torch_kernel_paths_for_few_and_many_tokens(
+    layout: str, few: bool, rotary_dim: int, positions: list[list[int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The PyTorch kernel rotates a few tokens (decoding) in four list operations and many with
+    # whole-tensor ones; both against the rotation matrices, in place and out of place, partial
+    # rotary, one token (a decoding step), one token per row and several.
     import ropelib.kernels.torch_kernel as torch_kernel
 
     monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 1 << 30 if few else 0)
-    q, k = torch.randn(2, 5, 4, 16), torch.randn(2, 5, 2, 16)
-    cos, sin = tables(12, 40)
-    positions = torch.tensor([[0, 3, 39, 7, 7], [1, 2, 3, 4, 5]])
+    pos = torch.tensor(positions)
+    q, k = torch.randn(*pos.shape, 4, 16), torch.randn(*pos.shape, 2, 16)
+    cos, sin = tables(rotary_dim, 40)
+    positions = pos
     q2, k2 = rotary_qk(q, k, cos, sin, positions, layout=layout, kernel="torch")
-    check(q2, rotate_ref(q, positions, theta=THETA, layout=layout, rotary_dim=12), q)
-    check(k2, rotate_ref(k, positions, theta=THETA, layout=layout, rotary_dim=12), k)
+    check(q2, rotate_ref(q, positions, theta=THETA, layout=layout, rotary_dim=rotary_dim), q)
+    check(k2, rotate_ref(k, positions, theta=THETA, layout=layout, rotary_dim=rotary_dim), k)
+    back_q, back_k = rotary_qk(q2, k2, cos, sin, positions, layout=layout, kernel="torch", conjugate=True)
+    torch.testing.assert_close(back_q, q, rtol=0, atol=1e-5)  # R(-t) R(t) = I: a few float32 ulps of |x| <= 5
+    torch.testing.assert_close(back_k, k, rtol=0, atol=1e-5)
     qi, ki = q.clone(), k.clone()
     rotary_qk(qi, ki, cos, sin, positions, layout=layout, kernel="torch", inplace=True)
     assert torch.equal(qi, q2) and torch.equal(ki, k2)
+
+
+def test_few_token_rows_follow_the_tables() -> None:
+    # The few-token path keeps the rows of the last one-position call (a decoding step's layers share
+    # them); a table changed in place, another table or another position must not get stale rows.
+    q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16)
+    cos, sin = tables(16, 40)
+    cos, sin = cos.clone(), sin.clone()
+    position = torch.tensor([[7]])
+    first = rotary_qk(q, k, cos, sin, position, kernel="torch")
+    check(first[0], rotate_ref(q, position, theta=THETA), q)
+    torch.testing.assert_close(rotary_qk(q, k, cos, sin, position, kernel="torch"), first, rtol=0, atol=0)
+    check(
+        rotary_qk(q, k, cos, sin, torch.tensor([[8]]), kernel="torch")[0],
+        rotate_ref(q, torch.tensor([[8]]), theta=THETA),
+        q,
+    )
+    cos.mul_(0.0)  # every pair's cosine gone: only the sine terms are left
+    sin_only = rotary_qk(q, k, cos, sin, position, kernel="torch")[0]
+    half = q.shape[-1] // 2
+    expected = torch.cat((-q[..., half:] * sin[7], q[..., :half] * sin[7]), -1)
+    torch.testing.assert_close(sin_only, expected, rtol=0, atol=1e-6)
+    other_cos, other_sin = tables(16, 40)
+    check(rotary_qk(q, k, other_cos, other_sin, position, kernel="torch")[0], rotate_ref(q, position, theta=THETA), q)

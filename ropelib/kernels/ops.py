@@ -44,7 +44,7 @@ from .._validation import (
 )
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens
-from .torch_kernel import rotate_qk_torch
+from .torch_kernel import few_elements, rotate_half_few, rotate_qk_torch, wide_rows
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
 #: of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``). ``cos``/``sin`` are contiguous
@@ -121,8 +121,13 @@ def choose_kernel(kernel: str, device: torch.device | str) -> str:
             raise ValueError(f"device must name a torch device, got {device!r}") from error
     if not isinstance(device, torch.device):
         raise TypeError(f"device must be a torch.device or str, got {type(device).__name__}")
-    if kernel != "auto":
-        return kernel
+    return kernel_for(kernel, device)
+
+
+def kernel_for(backend: str, device: torch.device) -> str:
+    """:func:`choose_kernel` for a validated backend and device, unchecked (the per-call path)."""
+    if backend != "auto":
+        return backend
     return "triton" if device.type == "cuda" else "torch"
 
 
@@ -233,6 +238,7 @@ def rotate_qk(
     kernel: str,
     inplace: bool = False,
     cu_seqlens: torch.Tensor | None = None,
+    position: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation behind :func:`~ropelib.rotary_qk`, for callers that have validated their arguments.
 
@@ -242,10 +248,19 @@ def rotate_qk(
     ``positions`` by the positions within each document. Eager calls that record no gradient go straight to the
     launcher; the others (autograd, :func:`torch.compile`) through the custom operators. In place with
     autograd, the rotation is recorded as an in-place operation (``q`` and ``k`` must not be leaves
-    that require grad, which :func:`~ropelib.rotary_qk` checks).
+    that require grad, which :func:`~ropelib.rotary_qk` checks). ``position``: the value of a
+    one-token ``positions`` when the caller has read it on the host (it lets the few-token path
+    reuse the previous call's rows).
     """
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad)
     if not needs_grad and not torch.compiler.is_compiling():
+        if kernel == "torch" and cu_seqlens is None and few_elements(q, k, 2 * cos.shape[1], cos.dtype, interleaved):
+            rows = wide_rows(cos, sin, positions, conjugate=conjugate, position=position)
+            q_out, k_out = rotate_half_few(q, k, *rows)
+            if inplace:
+                torch._foreach_copy_([q, k], [q_out, k_out])
+                return q, k
+            return q_out, k_out
         if inplace:
             q_out, k_out = q, k
         else:
@@ -307,7 +322,9 @@ def _check_tables(cos: object, sin: object, q: torch.Tensor) -> tuple[torch.Tens
         raise ValueError(f"cos and sin must be on q's device {q.device}, got {cos.device} and {sin.device}")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("cos and sin must not require grad: gradients flow to q and k only")
-    return cos.contiguous(), sin.contiguous()  # the kernels read rows of unit stride
+    if not (cos.is_contiguous() and sin.is_contiguous()):  # the kernels read rows of unit stride
+        cos, sin = cos.contiguous(), sin.contiguous()
+    return cos, sin
 
 
 def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -485,6 +502,7 @@ def rotary_qk(
     check_bool(inplace, "inplace")
     check_bool(conjugate, "conjugate")
     batch, seq = q.shape[:2]
+    bounds = None
     if positions is None:
         if seq > cos.shape[0]:
             raise ValueError(f"the table has {cos.shape[0]} rows but seq_len is {seq}; pass a longer cos/sin table")
@@ -502,16 +520,27 @@ def rotary_qk(
     elif not no_offsets(seqlen_offsets):
         raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
     else:
-        positions = check_positions(positions, "positions", batch=batch, seq_len=seq, limit=cos.shape[0])
-        positions = positions.to(q.device)
+        positions = check_positions(positions, "positions", batch=batch, seq_len=seq, minimum=None)
+        bounds = check_position_range(positions, "positions", limit=cos.shape[0])
+        if positions.device != q.device:
+            positions = positions.to(q.device)
     if inplace:
         _check_inplace(q, k)
     else:
         q = q if q.stride(-1) == 1 else q.contiguous()
         k = k if k.stride(-1) == 1 else k.contiguous()
-    positions = positions.expand(batch, seq)
+    position = bounds[0] if bounds is not None and bounds[0] == bounds[1] and positions.numel() == 1 else None
     return rotate_qk(
-        q, k, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, kernel=kernel, inplace=inplace
+        q,
+        k,
+        cos,
+        sin,
+        positions.expand(batch, seq),
+        interleaved=interleaved,
+        conjugate=conjugate,
+        kernel=kernel,
+        inplace=inplace,
+        position=position,
     )
 
 

@@ -3,27 +3,37 @@ r"""The rotation in plain PyTorch, written to move as few bytes as eager ops all
 Eager ``x * cos + rotate_half(x) * sin`` makes five or six full passes over memory (the
 broadcast cos, the negated half, the concatenation, two products, the sum). Here:
 
-* ``"interleaved"``: adjacent features are one complex number, and the rotation is a single
-  complex multiply ``(a + ib)(cos + i sin)`` written into the preallocated output: one read of
-  ``x``, one write.
-* ``"half"``: three operations with ``out=`` into the preallocated output,
-  ``out = x * cos`` (both halves at once, one contiguous pass), then ``out_a -= x_b sin`` and
-  ``out_b += x_a sin`` on the halves: no temporaries, about 2.5 passes' worth of traffic
-  instead of the eager version's ten.
+* ``"interleaved"``, in the tables' dtype: adjacent features are one complex number, and the
+  rotation is a single complex multiply ``(a + ib)(cos + i sin)`` written into the output (or
+  into ``x``, in place): one read of ``x``, one write.
+* ``"half"``, and every low-precision input: block by block of tokens (:data:`BLOCK_BYTES` of q
+  and k), each rotated into a small float32 buffer that stays in the cache
+  (``buf = x * cos``, ``buf_a -= x_b sin``, ``buf_b += x_a sin``) and copied once to its place.
+  Memory sees one read of ``x`` and one write of the output, as a copy does: the passes of the
+  arithmetic run in the cache. In place this is the only safe order (the halves of a pair read
+  each other); out of place the single write of each output page is also where a fresh tensor
+  pays its page faults, as ``clone()`` does. float16/bfloat16 are converted to float32 in the
+  buffer, so the math is float32 and the result is rounded once.
+* a few tokens (decoding, :func:`rotate_half_few`): four list operations for q and k together,
+  because there the cost of a call is its number of operations.
 
-Both work on any device. float16/bfloat16 inputs go block by block (a few MiB of tokens)
-through a float32 buffer, so that the math is float32 and the result is rounded once.
+All of them work on any device.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 from ..packing import positions_in_documents
 
-BLOCK_BYTES = 4 << 20  # per block of tokens (low-precision inputs), q and k together
+#: Bytes of q and k per block of tokens on a CPU: the block and its buffers stay in the last-level
+#: cache. On a GPU (the PyTorch kernel as a fallback there) blocks are larger: each operation is a launch.
+BLOCK_BYTES = 4 << 20
+GPU_BLOCK_BYTES = 256 << 20
 
 
 def _token_view(x: torch.Tensor) -> torch.Tensor | None:
@@ -35,9 +45,9 @@ def _token_view(x: torch.Tensor) -> torch.Tensor | None:
 
 
 def _block_tokens(q: torch.Tensor, k: torch.Tensor) -> int:
-    """Tokens per block: about ``BLOCK_BYTES`` of q and k together."""
+    """Tokens per block: about :data:`BLOCK_BYTES` (:data:`GPU_BLOCK_BYTES` off the CPU) of q and k together."""
     per_token = (q.shape[2] + k.shape[2]) * q.shape[3] * q.element_size()
-    return max(1, BLOCK_BYTES // max(per_token, 1))
+    return max(1, (BLOCK_BYTES if q.device.type == "cpu" else GPU_BLOCK_BYTES) // max(per_token, 1))
 
 
 Block = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, list[torch.Tensor]]
@@ -100,68 +110,107 @@ def _rotate_interleaved_block(
         out[..., : 2 * r2].unflatten(-1, (r2, 2)).copy_(work)
 
 
-def _rotate_whole(
-    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, phase: torch.Tensor | None
-) -> None:
-    """Rotate all of ``x`` ``[B, S, H, D]`` into ``out`` with whole-tensor operations (same dtype as the tables).
+def _rotate_whole(x: torch.Tensor, out: torch.Tensor, phase: torch.Tensor) -> None:
+    """Rotate all of ``x`` ``[B, S, H, D]`` into ``out``, "interleaved" layout, as one complex multiply.
 
-    ``cos``/``sin`` are ``[B, S, r/2]``; ``phase`` is ``cos + i sin`` for the interleaved layout (None for half).
-    A few large operations: on a small shared CPU every parallel region is a barrier that a
-    descheduled thread can stall, so fewer is better than cache-sized blocks.
+    ``phase`` is ``cos + i sin``, ``[B, S, r/2]``, in ``x``'s (real) dtype: one read of ``x``, one write
+    of ``out`` (in place: of ``x``), no block loop needed.
     """
-    r2 = cos.shape[-1]
-    if phase is not None:
-        src = torch.view_as_complex(x[..., : 2 * r2].unflatten(-1, (r2, 2)))
-        if out.data_ptr() == x.data_ptr():
-            src.mul_(phase[:, :, None, :])
-        else:
-            torch.mul(src, phase[:, :, None, :], out=torch.view_as_complex(out[..., : 2 * r2].unflatten(-1, (r2, 2))))
-        return
-    src = x[..., : 2 * r2].unflatten(-1, (2, r2))
-    a, b = src[..., 0, :], src[..., 1, :]
-    c, s = cos[:, :, None, :], sin[:, :, None, :]
-    if out.data_ptr() == x.data_ptr():  # in place: keep a copy of x_a, then update both halves
-        a_old = a.clone()
-        a.mul_(c).addcmul_(b, s, value=-1.0)
-        b.mul_(c).addcmul_(a_old, s)
-        return
-    dst = out[..., : 2 * r2].unflatten(-1, (2, r2))
-    torch.mul(src, c[..., None, :], out=dst)  # both halves times cos: one contiguous pass
-    dst[..., 0, :].addcmul_(b, s, value=-1.0)
-    dst[..., 1, :].addcmul_(a, s)
+    r2 = phase.shape[-1]
+    src = torch.view_as_complex(x[..., : 2 * r2].unflatten(-1, (r2, 2)))
+    if out.data_ptr() == x.data_ptr():
+        src.mul_(phase[:, :, None, :])
+    else:
+        torch.mul(src, phase[:, :, None, :], out=torch.view_as_complex(out[..., : 2 * r2].unflatten(-1, (r2, 2))))
 
 
 #: At most this many elements of q and k together (a decoding step: a few tokens) take the
-#: few-operations path of the half layout, where the cost of a call is the number of operations.
+#: few-operations path, :func:`rotate_half_few`, where the cost of a call is its number of operations.
 FEW_ELEMENTS = 1 << 14
 
 
-def _rotate_half_few(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    q_out: torch.Tensor,
-    k_out: torch.Tensor,
+def few_elements(q: torch.Tensor, k: torch.Tensor, r: int, dtype: torch.dtype, interleaved: bool) -> bool:
+    """True when :func:`rotate_half_few` applies: a few elements, "half" layout, all ``r`` features rotated, in ``dtype``."""
+    return not interleaved and q.numel() + k.numel() <= FEW_ELEMENTS and q.dtype == dtype and r == q.shape[-1]
+
+
+def wide_table(cos: torch.Tensor, sin: torch.Tensor, conjugate: bool = False) -> torch.Tensor:
+    """``[..., 2, r]``: ``cat(c, c)`` and ``cat(-s, s)`` (``cat(s, -s)`` for the conjugate) of ``[..., r/2]`` tables.
+
+    The form :func:`rotate_half_few` takes: the cosine of each feature, and the sine with the sign
+    of its term in the rotation.
+    """
+    minus = -sin
+    parts = (cos, cos, sin, minus) if conjugate else (cos, cos, minus, sin)
+    return torch.cat(parts, -1).unflatten(-1, (2, 2 * cos.shape[-1]))
+
+
+def wide_rows(
     cos: torch.Tensor,
     sin: torch.Tensor,
+    positions: torch.Tensor,
     *,
-    copy_rest: bool,
-) -> None:
-    """The "half" rotation of small ``q``/``k`` in three list operations for both (cos/sin ``[B, S, r/2]``).
+    conjugate: bool = False,
+    position: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The :func:`wide_table` rows at ``positions`` (int64 ``[B, S]``) of ``[L, r/2]`` tables, for :func:`rotate_half_few`.
 
-    ``(a, b) -> (a c - b s, b c + a s)`` for the four halves at once: one ``_foreach_mul``, one
-    ``_foreach_addcmul_`` and one ``_foreach_copy_`` (safe in place: the products are new tensors).
+    ``[r]`` each for one token (they broadcast as they are), else ``[B, S, 1, r]`` (over the heads).
+    ``position``: the one position of a single-token call, when the caller has read it on the
+    host; the rows of the last such call are kept (``_LAST_ROWS``), so that the layers of one
+    decoding step, which share tables and position, build them once.
     """
-    r2 = cos.shape[-1]
-    c, s = cos.unsqueeze(-2), sin.unsqueeze(-2)  # [B, S, 1, r/2]: broadcast over heads
-    halves = [q[..., :r2], q[..., r2 : 2 * r2], k[..., :r2], k[..., r2 : 2 * r2]]
-    rotated = torch._foreach_mul(halves, [c, c, c, c])
-    minus_s = -s
-    torch._foreach_addcmul_(rotated, [halves[1], halves[0], halves[3], halves[2]], [minus_s, s, minus_s, s])
-    targets = [q_out[..., :r2], q_out[..., r2 : 2 * r2], k_out[..., :r2], k_out[..., r2 : 2 * r2]]
-    torch._foreach_copy_(targets, rotated)
-    if copy_rest:
-        q_out[..., 2 * r2 :].copy_(q[..., 2 * r2 :])
-        k_out[..., 2 * r2 :].copy_(k[..., 2 * r2 :])
+    if position is not None and not (cos.is_inference() or sin.is_inference()):  # those have no version counter
+        return _rows_at(cos, sin, position, conjugate)
+    index = positions.reshape(-1)
+    rows = wide_table(cos.index_select(0, index), sin.index_select(0, index), conjugate)  # [T, 2, r]
+    return split_wide(rows[0] if index.shape[0] == 1 else rows.view(*positions.shape, 1, *rows.shape[1:]))
+
+
+def split_wide(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cosine and signed-sine halves of :func:`wide_table` rows ``[..., 2, r]``, as views."""
+    cos, signed_sin = rows.unbind(-2)
+    return cos, signed_sin
+
+
+#: The rows of the last single-position call: ``(key, rows)``, the key holding weak references to
+#: the tables, their version counters (an in-place change of a table is seen), the position and
+#: the direction. One entry: a decoding step's layers ask for the same rows in turn.
+_LAST_ROWS: list[Any] = [None, None]
+
+
+def _rows_at(cos: torch.Tensor, sin: torch.Tensor, position: int, conjugate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    key, rows = _LAST_ROWS
+    if (
+        key is not None
+        and key[0]() is cos
+        and key[1]() is sin
+        and key[2:] == (cos._version, sin._version, position, conjugate)
+    ):
+        return rows
+    rows = split_wide(wide_table(cos[position], sin[position], conjugate))
+    _LAST_ROWS[:] = [(weakref.ref(cos), weakref.ref(sin), cos._version, sin._version, position, conjugate), rows]
+    return rows
+
+
+def rotate_half_few(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The "half" rotation of a few tokens (decoding) in four calls for q and k together; new outputs.
+
+    ``R x = x * cat(c, c) + roll(x, r/2) * cat(-s, s)``, where ``roll`` swaps the halves:
+    ``(a c - b s, b c + a s)`` with the same two roundings per element as Hugging Face's
+    ``x * cos + rotate_half(x) * sin``, so the result is bitwise theirs. One ``_foreach_mul``, two
+    rolls and one ``_foreach_addcmul_``, where the eager formula takes fourteen operations: at a
+    decode shape the cost of a call is its number of operations, not its bytes.
+
+    Shapes: ``q``/``k`` ``[..., r]`` (every feature rotated, any layout of the leading dimensions);
+    ``cos``/``signed_sin`` the two halves of a :func:`wide_table`, broadcastable to both. Unchecked.
+    """
+    half = q.shape[-1] // 2
+    q_out, k_out = torch._foreach_mul([q, k], [cos, cos])
+    torch._foreach_addcmul_([q_out, k_out], [q.roll(half, -1), k.roll(half, -1)], [signed_sin, signed_sin])
+    return q_out, k_out
 
 
 def rotate_qk_torch(
@@ -198,13 +247,10 @@ def rotate_qk_torch(
         sin_t = -sin_t
     in_place = q_out.data_ptr() == q.data_ptr()
     head_dim = q.shape[-1]
-    if q.dtype == compute and (q.numel() + k.numel()) <= FEW_ELEMENTS and not interleaved:
-        _rotate_half_few(q, k, q_out, k_out, cos_t, sin_t, copy_rest=not in_place and 2 * r2 < head_dim)
-        return
-    if q.dtype == compute:
-        phase = torch.complex(cos_t, sin_t) if interleaved else None
+    if q.dtype == compute and interleaved:  # one complex multiply: one pass already
+        phase = torch.complex(cos_t, sin_t)
         for x, out in ((q, q_out), (k, k_out)):
-            _rotate_whole(x, out, cos_t, sin_t, phase)
+            _rotate_whole(x, out, phase)
             if not in_place and 2 * r2 < head_dim:
                 out[..., 2 * r2 :].copy_(x[..., 2 * r2 :])
         return

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from ...kernels.ops import rotate_by_token_tables
+from ...kernels.ops import kernel_for, rotate_by_token_tables
+from ...kernels.torch_kernel import few_elements, rotate_half_few
 from .module import HFRotaryEmbedding
 
 #: every HFRotaryEmbedding that patch_hf_rope put into a model and unpatch_hf_rope has not taken out
@@ -64,16 +65,51 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
     unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
     if unsqueeze_dim not in (1, 2):
         return None
+    few = _few_tables(cos, unsqueeze_dim)  # the layers of a decoding step after the first
+    if (
+        few is not None
+        and _fits(few[0], q, k, seq_dim=3 - unsqueeze_dim) is not None
+        and _few(q, k, few[0], interleaved)
+    ):
+        return rotate_half_few(q, k, few[1], few[2])
     found = _fits(installed_tables(cos), q, k, seq_dim=3 - unsqueeze_dim)
     if found is None:
         return None
     module, cos_half, sin_half = found
+    if _few(q, k, found, interleaved):  # HF's own cos is cat(c, c) in float32; the sine gets its signs
+        signed_sin = torch.cat((-sin_half, sin_half), -1).unsqueeze(unsqueeze_dim)
+        few = (found, cos.unsqueeze(unsqueeze_dim), signed_sin)
+        _LAST_FEW[:] = [(weakref.ref(cos), cos._version, unsqueeze_dim), few]
+        return rotate_half_few(q, k, few[1], few[2])
     if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = rotate_by_token_tables(q, k, cos_half, sin_half, interleaved=interleaved, backend=module.backend)
     if unsqueeze_dim == 1:
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     return q, k
+
+
+#: The few-token tables of the last call: ``(key, (found, cos, signed_sin))``, the key a weak
+#: reference to the ``cos`` tensor the installed module returned, its version and ``unsqueeze_dim``.
+#: Every layer of a decoding step passes the same ``cos``: the first builds them, the others reuse them.
+_LAST_FEW: list[Any] = [None, None]
+
+
+def _few_tables(cos: object, unsqueeze_dim: int) -> tuple[Tables, torch.Tensor, torch.Tensor] | None:
+    key, few = _LAST_FEW
+    if key is None or key[0]() is not cos or not isinstance(cos, torch.Tensor):
+        return None
+    return few if key[1:] == (cos._version, unsqueeze_dim) else None
+
+
+def _few(q: torch.Tensor, k: torch.Tensor, found: Tables, interleaved: bool) -> bool:
+    """True when :func:`~ropelib.kernels.torch_kernel.rotate_half_few` serves the call (see its conditions)."""
+    module, cos_half, _ = found
+    return (
+        kernel_for(module.backend, q.device) == "torch"
+        and few_elements(q, k, 2 * cos_half.shape[-1], cos_half.dtype, interleaved)
+        and not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad))
+    )
 
 
 def _probe_qk_cos_sin(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:

@@ -145,10 +145,12 @@ class HFRotaryEmbedding(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ropelib's ``[.., seq, r/2]`` tables at validated int64 ``positions``, in ``dtype`` (float32 or float64)."""
         rope = self.ropes[layer_type]
-        cos, sin, rows = rope.tables_for(positions, positions.shape[-1], positions.device, dtype)
+        seq = positions.shape[-1]
+        cos, sin, rows = rope.tables_for(positions, seq, positions.device, dtype)
         if rows is None:
-            rows = torch.arange(positions.shape[-1], device=positions.device)
-        return cos[rows], sin[rows]
+            return cos[:seq], sin[:seq]
+        index = rows.reshape(-1)  # one gather per table (cheaper than advanced indexing)
+        return cos.index_select(0, index).view(*rows.shape, -1), sin.index_select(0, index).view(*rows.shape, -1)
 
     def _positions(self, position_ids: object) -> torch.Tensor:
         position_ids = check_integer_tensor(position_ids, "position_ids")
@@ -194,7 +196,8 @@ class HFRotaryEmbedding(nn.Module):
             return sin.to(dtype), cos.to(dtype)
         if self.output == "repeat":
             return cos.repeat_interleave(2, dim=-1).to(dtype), sin.repeat_interleave(2, dim=-1).to(dtype)
-        return torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
+        cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
+        return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
     def tables_of(self, key: object) -> tuple[torch.Tensor, torch.Tensor] | None:
         """ropelib's half-width ``(cos, sin)`` behind ``key`` (the first table returned, or the complex one) when this module returned it last, else None."""
