@@ -24,7 +24,7 @@ from .encodings.relative import (
     t5_relative_bucket,
 )
 from .encodings.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
-from .frequencies import cos_sin_table
+from .frequencies import cos_sin_table, relative_decay_bound
 from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope
 from .kernels import BACKENDS, KERNELS, choose_kernel, rotary_qk
 from .layouts import LAYOUTS, convert_rotary_layout, layout_permutation, rotate_half
@@ -62,6 +62,7 @@ __all__ = [
     "context_parallel_attention",
     "convert_rotary_layout",
     "cos_sin_table",
+    "relative_decay_bound",
     "default_device",
     "device_name",
     "elu_feature_map",

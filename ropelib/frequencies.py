@@ -111,3 +111,35 @@ def cos_sin_table(
     attention_scaling = check_positive_float(attention_scaling, "attention_scaling")
     dtype = check_float_dtype(dtype)
     return angle_tables(inv_freq.to(device=positions.device, dtype=torch.float64), positions, attention_scaling, dtype)
+
+
+def relative_decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
+    r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{j=1}^{d/2} |S_j(r)|`.
+
+    For a query and key at distance ``r`` the score is :math:`\mathrm{Re}\sum_j h_j e^{i r \theta_j}`;
+    summing by parts (Su et al., 2021, section 3.4.3) bounds it by
+    :math:`\max_j |h_{j+1} - h_j| \sum_j |S_j(r)|` with the partial sums
+    :math:`S_j(r) = \sum_{l < j} e^{i r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_j |S_j(r)|`
+    (the quantity RoFormer plots): ``(d/2 + 1) / 2`` at ``r = 0``, shrinking on average, with ripples,
+    as ``r`` grows. Computed in float64 (complex128).
+
+    Args:
+        inv_freq: ``[d/2]`` inverse frequencies :math:`\theta_j` (any floating dtype; used in float64).
+        distances: ``[n]`` relative distances ``r`` (integer or floating).
+
+    Returns:
+        float64 ``[n]``.
+
+    Example:
+        >>> relative_decay_bound(torch.tensor([1.0, 0.01]), torch.tensor([0, 100])).tolist()[0]
+        1.5
+    """
+    check_float_tensor(inv_freq, "inv_freq", ndim=1)
+    if not isinstance(distances, torch.Tensor) or distances.ndim != 1 or distances.dtype.is_complex:
+        raise TypeError(
+            f"distances must be a 1-D real torch.Tensor, got {getattr(distances, 'shape', type(distances))}"
+        )
+    if distances.dtype == torch.bool:
+        raise TypeError("distances must be a 1-D real torch.Tensor, got a bool tensor")
+    angles = distances.to(torch.float64)[:, None] * inv_freq.to(device=distances.device, dtype=torch.float64)[None, :]
+    return torch.polar(torch.ones_like(angles), angles).cumsum(-1).abs().mean(-1)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 
-from ropelib import RotaryEmbedding, cos_sin_table, rope_frequencies
+from ropelib import RotaryEmbedding, cos_sin_table, relative_decay_bound, rope_frequencies
 from ropelib.scaling import inverse_frequencies64
 
 from references import yarn_ref
@@ -75,3 +75,20 @@ def test_reference_agrees_with_python_math_on_samples():
     for p in (0, 1, 12345, 999999, LAST):
         for w in inv[::7]:
             assert abs(np.cos(np.float64(p) * w) - math.cos(p * float(w))) < 1e-12
+
+
+def test_relative_decay_bound_by_hand_and_by_its_definition() -> None:
+    # At r = 0 every phase is 1: |S_j| = j, mean (d/2 + 1) / 2. Elsewhere, against the partial sums
+    # written out one by one in Python complex arithmetic (float64, as the function).
+    import cmath
+
+    inv_freq = torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64)
+    distances = torch.tensor([0, 3, 250])
+    got = relative_decay_bound(inv_freq, distances)
+    assert got.dtype == torch.float64 and got[0].item() == 2.5
+    for r, value in zip(distances.tolist()[1:], got.tolist()[1:]):
+        partial, total = 0j, 0.0
+        for theta in inv_freq.tolist():
+            partial += cmath.exp(1j * r * theta)
+            total += abs(partial)
+        assert abs(value - total / 4) < 1e-12

@@ -439,6 +439,17 @@ CASES: list[Case] = [
         lambda: ntk_rescaled_theta(1e4, 2, 2.0),
     ),
     gives("pixel_inverse_frequencies", lambda r: r.tolist() == [math.pi], lambda: pixel_inverse_frequencies(2, 3.0)),
+    gives(  # one pair: |S_1| = |e^{i r theta}| = 1 at every distance
+        "relative_decay_bound",
+        lambda r: r.tolist() == [1.0, 1.0],
+        lambda: rl.relative_decay_bound(torch.ones(1), torch.tensor([0, 7])),
+    ),
+    raises(
+        "relative_decay_bound",
+        TypeError,
+        "distances must be a 1-D real torch.Tensor",
+        lambda: rl.relative_decay_bound(torch.ones(2), torch.tensor([[1.0]])),
+    ),
     raises(
         "offset_positions",
         TypeError,
