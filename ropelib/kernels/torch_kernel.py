@@ -256,13 +256,14 @@ def rotate_qk_torch(
         return
     tables = [torch.complex(cos_t, sin_t)] if interleaved else [cos_t, sin_t, -sin_t]
     step = _block_tokens(q, k)
-    work = {}
-    for name, x in (("q", q), ("k", k)):  # a float32 buffer per tensor, reused by every block
-        shape = (step, x.shape[2], r2, 2) if interleaved else (step, x.shape[2], 2, r2)
-        work[name] = torch.empty(shape, dtype=compute, device=x.device)
+    work: dict[str, torch.Tensor] = {}
+    if in_place or q.dtype != compute:  # a float32 buffer per tensor, reused by every block
+        for name, x in (("q", q), ("k", k)):
+            shape = (step, x.shape[2], r2, 2) if interleaved else (step, x.shape[2], 2, r2)
+            work[name] = torch.empty(shape, dtype=compute, device=x.device)
     for qb, kb, qob, kob, tb in _blocks(q, k, q_out, k_out, tables):
         for name, x, out in (("q", qb, qob), ("k", kb, kob)):
-            buf = work[name][: x.shape[0]]
+            buf = work[name][: x.shape[0]] if work else None  # out of place in float32: straight into out
             if interleaved:
                 _rotate_interleaved_block(x, out, tb[0], buf)
             else:
