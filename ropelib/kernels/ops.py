@@ -19,9 +19,13 @@ traces through them without a graph break, and with a backward that is the same 
 angle negated: ``dL/dx = R(-theta) dL/dy`` because a rotation's transpose is its inverse. The in-place
 operator, which autograd cannot differentiate itself (a mutating custom op takes no autograd formula),
 is recorded by an :class:`torch.autograd.Function` that marks ``q`` and ``k`` dirty and has the same
-backward, so ``inplace=True`` trains too (as flash-attn's does). In eager
-mode with no gradient to record, the launcher is called directly: the operator's dispatch costs
-more than the rotation itself at decoding shapes.
+backward, so ``inplace=True`` trains too (as flash-attn's does).
+
+In eager mode with no gradient to record (inference) the operators are skipped, since their
+dispatch costs more than the rotation itself at decoding shapes: a few tokens take
+:func:`~ropelib.kernels.torch_kernel.rotate_half_few` (four list operations), a large out-of-place
+"half" rotation on the CPU the compiled loop of :mod:`~ropelib.kernels.compiled_kernel` once it is
+built, and everything else the launcher directly.
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ from .._validation import (
 )
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens
+from . import compiled_kernel
 from .torch_kernel import few_elements, rotate_half_few, rotate_qk_torch, wide_rows
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
@@ -261,6 +266,11 @@ def rotate_qk(
                 torch._foreach_copy_([q, k], [q_out, k_out])
                 return q, k
             return q_out, k_out
+        if not inplace and kernel == "torch" and _compiled_fits(q, k, cos, interleaved, conjugate, cu_seqlens):
+            compiled = compiled_kernel.ready(q, k, cos)
+            result = None if compiled is None else compiled(q, k, cos, sin, positions.contiguous())
+            if result is not None:
+                return result
         if inplace:
             q_out, k_out = q, k
         else:
@@ -276,6 +286,20 @@ def rotate_qk(
         _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
         return q, k
     return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
+
+
+def _compiled_fits(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, interleaved: bool, conjugate: bool, cu_seqlens: object
+) -> bool:
+    """True for a call :mod:`~ropelib.kernels.compiled_kernel` may serve: float32 "half" on the CPU, plain positions."""
+    return (
+        not interleaved
+        and not conjugate
+        and cu_seqlens is None
+        and q.device.type == "cpu"
+        and q.dtype == torch.float32
+        and cos.dtype == torch.float32
+    )
 
 
 def rotate_by_token_tables(
