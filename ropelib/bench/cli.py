@@ -134,17 +134,22 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 
 def format_table(results: Sequence[Result], copy_gbs: float) -> str:
-    """A plain-text table, one block per configuration."""
-    lines = [f"copy bandwidth: {copy_gbs:.1f} GB/s (% copy: in-place roof; % clone: out-of-place roof)"]
-    header = f"{'implementation':<26}{'median ms':>11}{'GB/s':>8}{'% copy':>8}{'% clone':>9}{'x ropelib':>11}{'ok':>4}"
+    """A plain-text table, one block per configuration, at most 76 characters wide."""
+    lines = [
+        f"copy bandwidth: {copy_gbs:.1f} GB/s",
+        "% copy: of the in-place roof; % clone: of the out-of-place roof",
+    ]
+    header = f"{'implementation':<25}{'ms':>9}{'GB/s':>7}{'% copy':>8}{'% clone':>9}{'x ropelib':>10}{'ok':>4}"
     last = None
     for r in results:
         key = (tuple(r.shape), r.dtype, r.layout, r.mode)
         if key != last:
-            lines += ["", f"shape={tuple(r.shape)} dtype={r.dtype} layout={r.layout} mode={r.mode}", header]
+            lines += ["", f"shape={tuple(r.shape)} {r.dtype} {r.layout} {r.mode}", header]
             last = key
+        ok = "yes" if r.correct else "NO"
         lines.append(
-            f"{r.impl:<26}{r.median_ms:>11.3f}{r.gbs:>8.2f}{r.pct_copy:>8.1f}{r.pct_clone:>9.1f}{r.ratio_to_ropelib:>11.2f}{'yes' if r.correct else 'NO':>4}"
+            f"{r.impl[:24]:<25}{r.median_ms:>9.3f}{r.gbs:>7.2f}{r.pct_copy:>8.1f}{r.pct_clone:>9.1f}"
+            f"{r.ratio_to_ropelib:>10.2f}{ok:>4}"
         )
     return "\n".join(lines)
 

@@ -8,8 +8,8 @@ multi-threaded C++ loop that reads ``x`` once and writes each output page once, 
 does. The "interleaved" layout needs none of this: it is one complex multiply already.
 
 Compiling takes seconds, so it never happens on a caller's call. The first large call
-(:data:`MIN_ELEMENTS`) of each kind (:func:`variant`: which of the head counts are 1, partial
-rotary or not, sizes that :func:`torch.compile` specialises) starts the build in a background
+(:data:`MIN_ELEMENTS`) of each kind (:func:`variant`: the sizes equal to 1 and the sizes equal to
+each other, on which :func:`torch.compile` specialises) starts the build in a background
 thread and is served by the eager kernel, as is every call until that kind is ready; the compiled
 function is then called with recompilation forbidden, so a call whose guards do not match falls
 back to eager rather than compiling in the caller's thread. The paths and their costs:
@@ -44,19 +44,27 @@ Rotation = Callable[..., tuple[torch.Tensor, torch.Tensor] | None]
 
 
 def rotation(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The "half" rotation of ``q``/``k`` ``[B, S, H, D]`` by rows ``positions`` ``[B, S]`` of ``[L, r/2]`` tables.
+    """The "half" rotation, written for :func:`torch.compile`.
 
-    Written for :func:`torch.compile` (the eager kernels are :mod:`~ropelib.kernels.torch_kernel`):
-    ``(a, b) -> (a c - b s, b c + a s)`` on the first ``r`` features, the rest copied.
+    ``q``/``k`` ``[B, S, H, D]``; rows ``positions`` ``[B, S]`` of the
+    ``[L, r/2]`` tables. ``(a, b) -> (a c - b s, b c + a s)`` on the first
+    ``r`` features, the rest copied. The eager kernels are in
+    :mod:`~ropelib.kernels.torch_kernel`.
     """
     r2 = cos.shape[-1]
-    c, s = cos[positions].unsqueeze(2), sin[positions].unsqueeze(2)  # [B, S, 1, r/2]
+    c = cos[positions].unsqueeze(2)  # [B, S, 1, r/2]
+    s = sin[positions].unsqueeze(2)
 
     def one(x: torch.Tensor) -> torch.Tensor:
         a, b = x[..., :r2], x[..., r2 : 2 * r2]
-        return torch.cat((a * c - b * s, b * c + a * s, x[..., 2 * r2 :]), -1)
+        rest = x[..., 2 * r2 :]
+        return torch.cat((a * c - b * s, b * c + a * s, rest), -1)
 
     return one(q), one(k)
 
@@ -68,9 +76,14 @@ def enabled() -> bool:
     return any(shutil.which(name) for name in ("g++", "c++", "clang++"))
 
 
-def variant(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> tuple[bool, ...]:
-    """What a compiled graph is specialised on besides dtype and device: sizes equal to 1, partial rotary."""
-    return (q.shape[0] == 1, q.shape[1] == 1, q.shape[2] == 1, k.shape[2] == 1, 2 * cos.shape[-1] < q.shape[-1])
+def variant(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> tuple[int, ...]:
+    """What a compiled graph is specialised on besides dtype and device: which sizes are 1 and which are equal.
+
+    :func:`torch.compile` treats sizes 0 and 1 as constants and assumes sizes that were equal when it
+    traced to stay equal, so calls that differ in these get a graph (a build) of their own.
+    """
+    sizes = (*q.shape, k.shape[2], *cos.shape)
+    return tuple(-1 if size == 1 else sizes.index(size) for size in sizes)
 
 
 class _Builds:
@@ -79,32 +92,38 @@ class _Builds:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         self.function: Any = None
-        self.kinds: dict[tuple[bool, ...], threading.Thread | bool] = {}
+        self.kinds: dict[tuple[int, ...], threading.Thread | bool] = {}
 
 
 _BUILDS = _Builds()
 
 
-def _example(kind: tuple[bool, ...]) -> tuple[torch.Tensor, ...]:
-    """Small random inputs of one kind (sizes 1 where the kind has them), to check a build against eager."""
-    batch1, seq1, q1, k1, partial = kind
-    batch, seq = 1 if batch1 else 2, 1 if seq1 else 3
-    head_dim, rotary = 16, 12 if partial else 16
+def _stand_ins(shapes: tuple[torch.Size, ...]) -> tuple[torch.Tensor, ...]:
+    """Inputs of the caller's shapes for the build, from ``torch.empty``: only the first tokens of the
+    first row are set (random values, positions in the first rows of the tables), so memory is
+    spent on the outputs alone; those tokens check the build against eager."""
+    q_shape, k_shape, table_shape = shapes
     gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, seq, 1 if q1 else 5, head_dim, generator=gen)
-    k = torch.randn(batch, seq, 1 if k1 else 3, head_dim, generator=gen)
-    angles = torch.rand(7, rotary // 2, generator=gen, dtype=torch.float64)
-    positions = torch.randint(0, 7, (batch, seq), generator=gen)
-    return q, k, angles.cos().float(), angles.sin().float(), positions
+    q, k = torch.empty(q_shape), torch.empty(k_shape)
+    cos, sin = torch.empty(table_shape), torch.empty(table_shape)
+    positions = torch.zeros(q_shape[:2], dtype=torch.int64)
+    rows = min(7, table_shape[0])
+    angles = torch.rand(rows, table_shape[1], generator=gen, dtype=torch.float64)
+    cos[:rows], sin[:rows] = angles.cos(), angles.sin()
+    tokens = min(3, q_shape[1])
+    q[0, :tokens] = torch.randn(q[0, :tokens].shape, generator=gen)
+    k[0, :tokens] = torch.randn(k[0, :tokens].shape, generator=gen)
+    positions[0, :tokens] = torch.randint(0, rows, (tokens,), generator=gen)
+    return q, k, cos, sin, positions
 
 
-def _build(kind: tuple[bool, ...], shapes: tuple[torch.Size, ...]) -> None:
-    """Compile for ``kind``, then check the compiled function against :func:`rotation` eager.
+def _build(kind: tuple[int, ...], shapes: tuple[torch.Size, ...]) -> None:
+    """Compile for ``kind`` at the sizes of the call that asked for it, and check against eager.
 
-    The first graph is traced at the sizes of the call that asked for it (``shapes`` of q, k and the
-    tables; inputs of ``torch.empty``, which a read maps to the zero page): the code generator
-    chooses its loops and threads by the sizes it sees, and small stand-ins give a slower loop.
-    Sizes that happen to be equal are not assumed equal later (no "duck" sizing).
+    The code generator chooses its loops and threads by the sizes it sees (a graph traced on small
+    stand-ins is markedly slower on large inputs), so the one graph of a kind is traced on inputs of
+    the caller's shapes (:func:`_stand_ins`). The first tokens are compared with :func:`rotation` run
+    eagerly on them.
     """
     ok = False
     try:
@@ -112,20 +131,12 @@ def _build(kind: tuple[bool, ...], shapes: tuple[torch.Size, ...]) -> None:
             if _BUILDS.function is None:
                 _BUILDS.function = torch.compile(rotation, dynamic=True)
             function = _BUILDS.function
-        q_shape, k_shape, table_shape = shapes
-        stand_ins = (
-            torch.empty(q_shape),
-            torch.empty(k_shape),
-            torch.empty(table_shape),
-            torch.empty(table_shape),
-            torch.zeros(q_shape[:2], dtype=torch.int64),
-        )
-        example = _example(kind)
-        with torch.no_grad(), torch.fx.experimental._config.patch(use_duck_shape=False):  # type: ignore[attr-defined]
-            function(*stand_ins)
-            got = function(*example)
-        want = rotation(*example)
-        ok = all(torch.allclose(g, w, rtol=0, atol=1e-5) for g, w in zip(got, want))
+        q, k, cos, sin, positions = _stand_ins(shapes)
+        tokens = min(3, q.shape[1])
+        with torch.no_grad():
+            got = function(q, k, cos, sin, positions)
+            want = rotation(q[:1, :tokens], k[:1, :tokens], cos, sin, positions[:1, :tokens])
+        ok = all(torch.allclose(g[:1, :tokens], w, rtol=0, atol=1e-5) for g, w in zip(got, want))
     except Exception:  # no usable compiler, an unsupported platform: the eager kernel stays
         ok = False
     with _BUILDS.lock:

@@ -83,15 +83,21 @@ def _rotate_half_block(
     neg_sin: torch.Tensor,
     work: torch.Tensor | None,
 ) -> None:
-    """``out[..., :r] = R x[..., :r]`` for one block ``[T, H, D]``, "half" layout; ``cos`` etc. ``[T, r/2]``."""
+    """``out[..., :r] = R x[..., :r]`` for one block ``[T, H, D]``, "half".
+
+    ``cos``, ``sin``, ``neg_sin``: ``[T, r/2]``; ``work``: a float32 buffer
+    ``[T, H, 2, r/2]`` (in place, low precision) or None (write to out).
+    """
     r2 = cos.shape[-1]
-    src = x[..., : 2 * r2].unflatten(-1, (2, r2))  # [T, H, 2, r/2]: (x_a, x_b)
-    dst = work if work is not None else out[..., : 2 * r2].unflatten(-1, (2, r2))
-    torch.mul(src, cos[:, None, None, :], out=dst)
-    dst[..., 0, :].addcmul_(src[..., 1, :], neg_sin[:, None, :])
-    dst[..., 1, :].addcmul_(src[..., 0, :], sin[:, None, :])
+    src = x[..., : 2 * r2].unflatten(-1, (2, r2))  # [T, H, 2, r/2]: (a, b)
+    target = out[..., : 2 * r2].unflatten(-1, (2, r2))
+    dst = target if work is None else work
+    torch.mul(src, cos[:, None, None, :], out=dst)  # (a c, b c)
+    a, b = src.unbind(-2)
+    dst[..., 0, :].addcmul_(b, neg_sin[:, None, :])  # a c - b s
+    dst[..., 1, :].addcmul_(a, sin[:, None, :])  # b c + a s
     if work is not None:
-        out[..., : 2 * r2].unflatten(-1, (2, r2)).copy_(dst)
+        target.copy_(dst)
 
 
 def _rotate_interleaved_block(
@@ -194,22 +200,30 @@ def _rows_at(cos: torch.Tensor, sin: torch.Tensor, position: int, conjugate: boo
 
 
 def rotate_half_few(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor
+    q: torch.Tensor,
+    k: torch.Tensor,
+    cos: torch.Tensor,
+    signed_sin: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The "half" rotation of a few tokens (decoding) in four calls for q and k together; new outputs.
+    """The "half" rotation of a few tokens (decoding); new outputs.
 
-    ``R x = x * cat(c, c) + roll(x, r/2) * cat(-s, s)``, where ``roll`` swaps the halves:
-    ``(a c - b s, b c + a s)`` with the same two roundings per element as Hugging Face's
-    ``x * cos + rotate_half(x) * sin``, so the result is bitwise theirs. One ``_foreach_mul``, two
-    rolls and one ``_foreach_addcmul_``, where the eager formula takes fourteen operations: at a
-    decode shape the cost of a call is its number of operations, not its bytes.
+    ``R x = x * cat(c, c) + roll(x, r/2) * cat(-s, s)``, where ``roll``
+    swaps the halves: ``(a c - b s, b c + a s)``, as Hugging Face's
+    ``x * cos + rotate_half(x) * sin`` (the product and the sum may be
+    fused, within one rounding of it). One ``_foreach_mul``, two rolls and
+    one ``_foreach_addcmul_`` for q and k, where the eager formula takes
+    fourteen operations: at a decode shape the cost of a call is its number
+    of operations, not its bytes.
 
-    Shapes: ``q``/``k`` ``[..., r]`` (every feature rotated, any layout of the leading dimensions);
-    ``cos``/``signed_sin`` the two halves of a :func:`wide_table`, broadcastable to both. Unchecked.
+    Shapes: ``q``/``k`` ``[..., r]`` (every feature rotated); ``cos`` and
+    ``signed_sin`` the halves of a :func:`wide_table`, broadcastable to
+    both. Unchecked.
     """
     half = q.shape[-1] // 2
     q_out, k_out = torch._foreach_mul([q, k], [cos, cos])
-    torch._foreach_addcmul_([q_out, k_out], [q.roll(half, -1), k.roll(half, -1)], [signed_sin, signed_sin])
+    rolled = [q.roll(half, -1), k.roll(half, -1)]
+    signs = [signed_sin, signed_sin]
+    torch._foreach_addcmul_([q_out, k_out], rolled, signs)
     return q_out, k_out
 
 

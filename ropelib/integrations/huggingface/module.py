@@ -164,29 +164,43 @@ class HFRotaryEmbedding(nn.Module):
             position_ids, "position_ids", batch=position_ids.shape[0], seq_len=position_ids.shape[-1], minimum=None
         )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, layer_type: str | None = None) -> Any:
-        if layer_type not in self.ropes:
-            if set(self.ropes) == {None}:
-                raise ValueError(f"layer_type must be None (one RoPE setting for all layers), got {layer_type!r}")
-            raise ValueError(f"layer_type must be one of {self.layer_types}, got {layer_type!r}")
+    def forward(
+        self,
+        x: torch.Tensor,
+        position_ids: torch.Tensor,
+        layer_type: str | None = None,
+    ) -> Any:
+        self._check_layer_type(layer_type)
         if not isinstance(x, torch.Tensor):
-            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+            kind = type(x).__name__
+            raise TypeError(f"x must be a torch.Tensor, got {kind}")
         positions = self._positions(position_ids).to(x.device)
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        double = x.dtype == torch.float64
+        compute = torch.float64 if double else torch.float32
         if self.mrope is not None:
-            while positions.ndim < 3:  # [seq] -> [1, seq] -> [1, 1, seq]: text, the same on all axes
+            # [seq] -> [1, seq] -> [1, 1, seq]: text, the same on all axes
+            while positions.ndim < 3:
                 positions = positions[None]
             positions = positions.expand(3, -1, -1)
             cos_half, sin_half = self.mrope.tables(positions, compute)
         else:
-            cos_half, sin_half = self.half_tables(positions, compute, layer_type)
+            tables = self.half_tables(positions, compute, layer_type)
+            cos_half, sin_half = tables
             if positions.ndim == 1:
                 cos_half, sin_half = cos_half[None], sin_half[None]
         out = self._format(cos_half, sin_half, x.dtype)
         if not torch.compiler.is_compiling():
             key = out[0] if isinstance(out, tuple) else out
-            self._last[layer_type] = (weakref.ref(key), cos_half, sin_half)
+            record = (weakref.ref(key), cos_half, sin_half)
+            self._last[layer_type] = record
         return out
+
+    def _check_layer_type(self, layer_type: object) -> None:
+        if layer_type in self.ropes:
+            return
+        if set(self.ropes) == {None}:
+            raise ValueError(f"layer_type must be None (one RoPE setting for all layers), got {layer_type!r}")
+        raise ValueError(f"layer_type must be one of {self.layer_types}, got {layer_type!r}")
 
     def _format(self, cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> Any:
         """The half-width tables in the form of :attr:`output` (see the class docstring)."""
