@@ -13,8 +13,13 @@ from ._validation import check_even, check_int, check_positive_float, check_qk, 
 from .frequencies import cos_sin_table, default_inverse_frequencies
 
 
-def precompute_pos_cis(dim: int, end: int = 32 * 1024, theta: float = 1e6) -> torch.Tensor:
-    r"""The unit complex numbers ``e^{i m theta_j}`` for positions ``m < end``, ``theta_j = theta^{-2j/dim}``.
+def precompute_pos_cis(
+    dim: int,
+    end: int = 32 * 1024,
+    theta: float = 1e6,
+) -> torch.Tensor:
+    r"""The unit complex numbers ``e^{i m theta_j}`` for positions
+    ``m < end``, ``theta_j = theta^{-2j/dim}``.
 
     Args:
         dim: head dimension (even); there are ``dim // 2`` frequencies.
@@ -22,8 +27,9 @@ def precompute_pos_cis(dim: int, end: int = 32 * 1024, theta: float = 1e6) -> to
         theta: the base (``1e6`` by default, as in the seed).
 
     Returns:
-        complex64 tensor of shape ``[end, dim // 2]``. The angles are formed in float64 and rounded
-        once, so ``|pos_cis| = 1`` and the phase is exact to float32 precision at every position.
+        complex64 tensor of shape ``[end, dim // 2]``. The angles are formed
+        in float64 and rounded once, so ``|pos_cis| = 1`` and the phase is
+        exact to float32 precision at every position.
 
     Example:
         >>> precompute_pos_cis(4, end=2)[0]
@@ -32,7 +38,8 @@ def precompute_pos_cis(dim: int, end: int = 32 * 1024, theta: float = 1e6) -> to
     dim = check_even(dim, "dim")
     end = check_int(end, "end", minimum=1)
     theta = check_positive_float(theta, "theta")
-    cos, sin = cos_sin_table(default_inverse_frequencies(dim, theta), torch.arange(end))
+    inv_freq = default_inverse_frequencies(dim, theta)
+    cos, sin = cos_sin_table(inv_freq, torch.arange(end))
     return torch.complex(cos, sin)
 
 
@@ -50,29 +57,37 @@ def _check_pos_cis(pos_cis: object, x: torch.Tensor) -> torch.Tensor:
     return pos_cis
 
 
-def apply_rotary_emb(xq: torch.Tensor, xk: torch.Tensor, pos_cis: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Rotate ``xq`` and ``xk`` by complex multiplication with ``pos_cis`` (the seed's function).
+def apply_rotary_emb(
+    xq: torch.Tensor,
+    xk: torch.Tensor,
+    pos_cis: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    r"""Rotate ``xq`` and ``xk`` by complex multiplication with ``pos_cis``
+    (the seed's function).
 
     Args:
         xq: ``[batch, seq, q_heads, head_dim]``.
         xk: ``[batch, seq, kv_heads, head_dim]``.
-        pos_cis: ``[seq, head_dim // 2]`` complex, the rows for these positions
-            (``precompute_pos_cis(...)[start : start + seq]``).
+        pos_cis: ``[seq, head_dim // 2]`` complex, the rows for these
+            positions (``precompute_pos_cis(...)[start : start + seq]``).
 
     Returns:
-        ``(xq_out, xk_out)`` in the input dtypes; the product runs in complex64 (complex128 for
-        float64 input).
+        ``(xq_out, xk_out)`` in the input dtypes; the product runs in
+        complex64 (complex128 for float64 input).
     """
     check_qk(xq, xk, names=("xq", "xk"))
     if xq.shape[-1] % 2:
-        raise ValueError(f"xq's head_dim must be even (features are paired), got {xq.shape[-1]}")
+        msg = "xq's head_dim must be even (features are paired)"
+        raise ValueError(f"{msg}, got {xq.shape[-1]}")
     pos_cis = _check_pos_cis(pos_cis, xq)
     check_same_device("pos_cis", pos_cis, "xq", xq)
 
     def rotate(x: torch.Tensor) -> torch.Tensor:
         real = torch.float64 if x.dtype == torch.float64 else torch.float32
-        pairs = torch.view_as_complex(x.to(real).reshape(*x.shape[:-1], x.shape[-1] // 2, 2).contiguous())
-        factor = pos_cis.to(dtype=pairs.dtype)[None, :, None, :]  # [1, seq, 1, d/2]
+        paired = x.to(real).reshape(*x.shape[:-1], x.shape[-1] // 2, 2)
+        pairs = torch.view_as_complex(paired.contiguous())
+        # [seq, d/2] -> [1, seq, 1, d/2]: broadcast over batch and heads
+        factor = pos_cis.to(dtype=pairs.dtype)[None, :, None, :]
         return torch.view_as_real(pairs * factor).flatten(3).to(x.dtype)
 
     return rotate(xq), rotate(xk)

@@ -38,9 +38,20 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
         ``max_position_embeddings``.
 
     Example:
-        >>> rope_config({"hidden_size": 4096, "num_attention_heads": 32, "rope_theta": 500000.0,
-        ...     "max_position_embeddings": 131072, "rope_scaling": {"rope_type": "llama3", "factor": 8.0,
-        ...     "low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}})["rotary_dim"]
+        >>> llama31 = {
+        ...     "hidden_size": 4096,
+        ...     "num_attention_heads": 32,
+        ...     "rope_theta": 500000.0,
+        ...     "max_position_embeddings": 131072,
+        ...     "rope_scaling": {
+        ...         "rope_type": "llama3",
+        ...         "factor": 8.0,
+        ...         "low_freq_factor": 1.0,
+        ...         "high_freq_factor": 4.0,
+        ...         "original_max_position_embeddings": 8192,
+        ...     },
+        ... }
+        >>> rope_config(llama31)["rotary_dim"]
         128
     """
     if not isinstance(config, Mapping):

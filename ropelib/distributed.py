@@ -186,6 +186,9 @@ def unshard_sequence(shards: Sequence[torch.Tensor], *, dim: int = 1, load_balan
     return torch.cat(heads + tails, dim=dim)
 
 
+# context_parallel_attention is shown whole in book/rope_at_scale.ipynb (literalinclude): it is laid
+# out by hand to fit the book's code blocks (76 columns), so the formatter leaves it alone.
+# fmt: off
 def context_parallel_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -195,57 +198,92 @@ def context_parallel_attention(
     *,
     group: dist.ProcessGroup | None = None,
 ) -> torch.Tensor:
-    r"""Causal attention with RoPE for one rank of a context-parallel group (all-gather KV).
+    r"""Causal attention with RoPE for one rank of a context-parallel group
+    (all-gather KV).
 
-    A worked example, forward only, to run inside an initialised ``torch.distributed`` process
-    group where every rank calls it with its own shard (from :func:`~ropelib.shard_sequence`):
+    A worked example, forward only, to run inside an initialised
+    ``torch.distributed`` process group where every rank calls it with its
+    own shard (from :func:`~ropelib.shard_sequence`):
 
-    1. rotate this rank's ``q`` and ``k`` by their *global* ``positions`` (``rope(q, k, positions=positions)``);
-    2. all-gather the rotated ``k``, ``v`` and the positions of every rank (``torch.distributed.all_gather``);
-    3. ``out = softmax(q k^T / sqrt(d) + M) v`` with ``M[m, n] = 0`` if ``pos_k[n] <= pos_q[m]``
-       else ``-inf``, by :func:`torch.nn.functional.scaled_dot_product_attention` with a boolean mask.
+    1. rotate this rank's ``q`` and ``k`` by their *global* ``positions``
+       (``rope(q, k, positions=positions)``);
+    2. all-gather the rotated ``k``, ``v`` and the positions of every rank
+       (``torch.distributed.all_gather``);
+    3. ``out = softmax(q k^T / sqrt(d) + M) v`` with ``M[m, n] = 0`` if
+       ``pos_k[n] <= pos_q[m]`` else ``-inf``, by
+       :func:`torch.nn.functional.scaled_dot_product_attention` with a
+       boolean mask.
 
-    Because the mask is built from the gathered positions, the keys need not be put back in
-    sequence order (softmax over keys does not depend on their order), and every query sees at
-    least its own key, so no row is fully masked. Either sharding layout works.
+    Because the mask is built from the gathered positions, the keys need
+    not be put back in sequence order (softmax over keys does not depend on
+    their order), and every query sees at least its own key, so no row is
+    fully masked. Either sharding layout works.
 
-    Grouped-query / multi-query attention is supported: ``k`` and ``v`` may have
-    ``kv_heads`` dividing ``heads``; the gathered keys and values are repeated per query group
-    after the all-gather (Hugging Face's ``repeat_kv``: query head ``h`` uses kv head
-    ``h // (heads / kv_heads)``), so only ``kv_heads`` travel over the network.
+    Grouped-query / multi-query attention is supported: ``k`` and ``v`` may
+    have ``kv_heads`` dividing ``heads``; the gathered keys and values are
+    repeated per query group after the all-gather (Hugging Face's
+    ``repeat_kv``: query head ``h`` uses kv head
+    ``h // (heads / kv_heads)``), so only ``kv_heads`` travel over the
+    network.
 
-    ``torch.distributed.all_gather`` does not carry gradients, and the dense mask costs
-    ``local_seq * seq`` memory per rank: this shows the position bookkeeping, not a
-    training kernel (for that, ring attention or PyTorch's ``context_parallel`` on CUDA).
+    ``torch.distributed.all_gather`` does not carry gradients, and the dense
+    mask costs ``local_seq * seq`` memory per rank: this shows the position
+    bookkeeping, not a training kernel (for that, ring attention or
+    PyTorch's ``context_parallel`` on CUDA).
 
     Args:
         q: ``[batch, local_seq, heads, head_dim]``, this rank's queries.
-        k, v: ``[batch, local_seq, kv_heads, head_dim]``, this rank's keys and values.
-        positions: int ``[local_seq]`` or ``[batch, local_seq]``, the global positions of this
-            rank's tokens (:func:`~ropelib.shard_positions`); every rank must pass the same shape.
-        rope: a :class:`ropelib.RotaryEmbedding`, called as ``rope(q, k, positions=positions)``.
+        k, v: ``[batch, local_seq, kv_heads, head_dim]``, this rank's keys
+            and values.
+        positions: int ``[local_seq]`` or ``[batch, local_seq]``, the global
+            positions of this rank's tokens
+            (:func:`~ropelib.shard_positions`); every rank must pass the
+            same shape.
+        rope: a :class:`ropelib.RotaryEmbedding`, called as
+            ``rope(q, k, positions=positions)``.
         group: the process group (default: the world).
 
     Returns:
-        ``[batch, local_seq, heads, head_dim]``, this rank's attention output in ``q``'s dtype.
+        ``[batch, local_seq, heads, head_dim]``, this rank's attention
+        output in ``q``'s dtype.
     """
     q = check_float_tensor(q, "q", ndim=4)
     k = check_float_tensor(k, "k", ndim=4)
     v = check_float_tensor(v, "v", ndim=4)
     if not isinstance(rope, RotaryEmbedding):
-        raise TypeError(f"rope must be a ropelib.RotaryEmbedding, got {type(rope).__name__}")
+        raise TypeError(
+            "rope must be a ropelib.RotaryEmbedding, "
+            f"got {type(rope).__name__}"
+        )
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(
+            "k and v must have the same shape, "
+            f"got {tuple(k.shape)} and {tuple(v.shape)}"
+        )
     if k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3]:
-        raise ValueError(f"q and k must share batch, local_seq and head_dim, got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            "q and k must share batch, local_seq and head_dim, "
+            f"got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % kv_heads:
-        raise ValueError(f"the number of kv heads ({kv_heads}) must divide the number of query heads ({heads})")
+        raise ValueError(
+            f"the number of kv heads ({kv_heads}) must divide "
+            f"the number of query heads ({heads})"
+        )
     if v.dtype != q.dtype or v.device != q.device:
-        raise ValueError(f"q and v must share dtype and device, got {q.dtype}/{q.device} and {v.dtype}/{v.device}")
-    positions = check_positions(positions, "positions", batch=q.shape[0], seq_len=q.shape[1]).to(q.device)
+        raise ValueError(
+            "q and v must share dtype and device, "
+            f"got {q.dtype}/{q.device} and {v.dtype}/{v.device}"
+        )
+    positions = check_positions(
+        positions, "positions", batch=q.shape[0], seq_len=q.shape[1]
+    ).to(q.device)
     if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("context_parallel_attention needs an initialised torch.distributed process group")
+        raise RuntimeError(
+            "context_parallel_attention needs an initialised "
+            "torch.distributed process group"
+        )
 
     q, k = rope(q, k, positions=positions)
     world = dist.get_world_size(group)
@@ -256,16 +294,22 @@ def context_parallel_attention(
         dist.all_gather(out, t, group=group)
         return out
 
-    k_all = torch.cat(gather(k), dim=1)  # [batch, seq, kv_heads, d], in rank order
+    # [batch, seq, kv_heads, d], in rank order
+    k_all = torch.cat(gather(k), dim=1)
     v_all = torch.cat(gather(v), dim=1)
     pos_k = torch.cat(gather(positions), dim=-1)  # [seq] or [batch, seq]
     if kv_heads != heads:
         k_all = k_all.repeat_interleave(heads // kv_heads, dim=2)
         v_all = v_all.repeat_interleave(heads // kv_heads, dim=2)
-    mask = pos_k.unsqueeze(-2) <= positions.unsqueeze(-1)  # [local_seq, seq] or [batch, local_seq, seq]
+    # [local_seq, seq] or [batch, local_seq, seq]
+    mask = pos_k.unsqueeze(-2) <= positions.unsqueeze(-1)
     if mask.ndim == 3:
         mask = mask.unsqueeze(1)  # broadcast over heads
     out = F.scaled_dot_product_attention(
-        q.transpose(1, 2), k_all.transpose(1, 2), v_all.transpose(1, 2), attn_mask=mask
+        q.transpose(1, 2),
+        k_all.transpose(1, 2),
+        v_all.transpose(1, 2),
+        attn_mask=mask,
     )  # [batch, heads, local_seq, d]
     return out.transpose(1, 2)
+# fmt: on

@@ -131,7 +131,8 @@ def relative_decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> tor
         float64 ``[n]``.
 
     Example:
-        >>> relative_decay_bound(torch.tensor([1.0, 0.01]), torch.tensor([0, 100])).tolist()[0]
+        >>> inv_freq = torch.tensor([1.0, 0.01])
+        >>> relative_decay_bound(inv_freq, torch.tensor([0, 100]))[0].item()
         1.5
     """
     check_float_tensor(inv_freq, "inv_freq", ndim=1)

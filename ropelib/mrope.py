@@ -56,8 +56,10 @@ def mrope_axes(mrope_section: Sequence[int], *, interleaved: bool = False) -> to
     """The axis (0 time, 1 height, 2 width) of each of the ``r/2 = sum(mrope_section)`` frequency pairs, int64 ``[r/2]``.
 
     Example:
-        >>> mrope_axes([2, 1, 1]).tolist(), mrope_axes([2, 1, 1], interleaved=True).tolist()
-        ([0, 0, 1, 2], [0, 1, 2, 0])
+        >>> mrope_axes([2, 1, 1]).tolist()
+        [0, 0, 1, 2]
+        >>> mrope_axes([2, 1, 1], interleaved=True).tolist()
+        [0, 1, 2, 0]
     """
     section = _check_section(mrope_section)
     check_bool(interleaved, "interleaved")
@@ -166,8 +168,10 @@ class MRotaryEmbedding(nn.Module):
     Example:
         >>> rope = MRotaryEmbedding(head_dim=8, mrope_section=[2, 1, 1])
         >>> q = k = torch.ones(1, 3, 2, 8)
-        >>> positions = torch.tensor([[0, 1, 2]]).expand(3, 3)  # text: the same on all axes
-        >>> torch.allclose(rope(q, k, positions)[0], RotaryEmbedding(head_dim=8)(q, k)[0], atol=1e-6)
+        >>> # text: the same position on all three axes
+        >>> positions = torch.tensor([[0, 1, 2]]).expand(3, 3)
+        >>> plain = RotaryEmbedding(head_dim=8)(q, k)[0]
+        >>> torch.allclose(rope(q, k, positions)[0], plain, atol=1e-6)
         True
     """
 

@@ -331,8 +331,12 @@ class RotaryEmbedding(nn.Module):
         """The rotary embedding of a model's ``config.json`` dict (parsed by :func:`ropelib.rope_config`).
 
         Example:
-            >>> rope = RotaryEmbedding.from_config({"hidden_size": 64, "num_attention_heads": 4, "rope_theta": 500000.0,
-            ...     "max_position_embeddings": 4096, "rope_scaling": {"rope_type": "linear", "factor": 2.0}})
+            >>> config = {
+            ...     "hidden_size": 64, "num_attention_heads": 4,
+            ...     "rope_theta": 500000.0, "max_position_embeddings": 4096,
+            ...     "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            ... }
+            >>> rope = RotaryEmbedding.from_config(config)
             >>> rope.head_dim, rope.theta, rope.scaling
             (16, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
         """

@@ -66,18 +66,22 @@ def linear_attention(
     eps: float = 1e-6,
     chunk_size: int = 64,
 ) -> torch.Tensor:
-    r"""Linear attention, optionally with RoPE on the feature maps (RoFormer eq. 19).
+    r"""Linear attention, optionally with RoPE on the feature maps
+    (RoFormer eq. 19).
 
     .. math::
 
-        \text{out}_i = \frac{\sum_j \big(R_i\,\phi(q_i)\big)^\top \big(R_j\,\phi(k_j)\big)\, v_j}
+        \text{out}_i = \frac{\sum_j \big(R_i\,\phi(q_i)\big)^\top
+                             \big(R_j\,\phi(k_j)\big)\, v_j}
                             {\sum_j \phi(q_i)^\top \phi(k_j)}
 
-    The numerator is computed as ``(R_i phi(q_i))^T S`` with ``S = sum_j (R_j phi(k_j)) v_j^T``
-    (a running sum when causal), so the cost is ``O(n d^2)``, linear in the length ``n``. The
-    denominator keeps the unrotated features so that it stays positive. The causal form runs
-    over chunks of ``chunk_size`` tokens: inside a chunk the masked ``C x C`` products, across
-    chunks the running state, so it costs ``O(n (C + d) d)`` time and ``O(d^2)`` state per head.
+    The numerator is computed as ``(R_i phi(q_i))^T S`` with
+    ``S = sum_j (R_j phi(k_j)) v_j^T`` (a running sum when causal), so the
+    cost is ``O(n d^2)``, linear in the length ``n``. The denominator keeps
+    the unrotated features so that it stays positive. The causal form runs
+    over chunks of ``chunk_size`` tokens: inside a chunk the masked
+    ``C x C`` products, across chunks the running state, so it costs
+    ``O(n (C + d) d)`` time and ``O(d^2)`` state per head.
 
     Args:
         q, k: ``[batch, seq, heads, d]``; v: ``[batch, seq, heads, d_v]``.
@@ -98,15 +102,19 @@ def linear_attention(
     v = check_float_tensor(v, "v", ndim=4)
     if q.shape != k.shape or v.shape[:3] != q.shape[:3]:
         raise ValueError(
-            f"q, k must have equal shapes and v the same [batch, seq, heads]; got {tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
+            "q, k must have equal shapes and v the same "
+            "[batch, seq, heads]; got "
+            f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}"
         )
     if v.dtype != q.dtype or v.device != q.device:
-        raise ValueError(f"v must share q's dtype and device, got {v.dtype}/{v.device} and {q.dtype}/{q.device}")
+        got = f"{v.dtype}/{v.device} and {q.dtype}/{q.device}"
+        raise ValueError(f"v must share q's dtype and device, got {got}")
     _check_linear_qk(q, k, rope, positions)
     fq, fk = elu_feature_map(q), elu_feature_map(k)
     rq, rk = rope(fq, fk, positions) if rope is not None else (fq, fk)
     if causal:
-        numerator, denominator = _causal_linear_sums(rq, rk, fq, fk, v, chunk_size)
+        sums = _causal_linear_sums(rq, rk, fq, fk, v, chunk_size)
+        numerator, denominator = sums
     else:
         state = torch.einsum("bshd,bshe->bhde", rk, v)
         numerator = torch.einsum("bshd,bhde->bshe", rq, state)

@@ -44,7 +44,8 @@ def sinusoidal_encoding(
         dim: encoding width ``d`` (even).
         base: the wavelength base (10000 in the paper); wavelengths run from
             ``2*pi`` to ``2*pi*base``.
-        dtype: floating dtype of the result; angles are always computed in float64.
+        dtype: floating dtype of the result; angles are always computed
+            in float64.
         device: where to build the table.
 
     Returns:
@@ -60,10 +61,12 @@ def sinusoidal_encoding(
     num_positions = check_int(num_positions, "num_positions", minimum=0)
     dim = check_even(dim, "dim")
     base = check_positive_float(base, "base")
-    if dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+    floating = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+    if dtype not in floating:
         raise TypeError(f"dtype must be a floating dtype, got {dtype}")
     positions = torch.arange(num_positions, device=device)
-    return _interleave_sin_cos(_sinusoid_angles(positions, dim, base)).to(dtype)
+    angles = _sinusoid_angles(positions, dim, base)
+    return _interleave_sin_cos(angles).to(dtype)
 
 
 def sinusoidal_shift_matrix(shift: int, dim: int, base: float = 10000.0) -> torch.Tensor:

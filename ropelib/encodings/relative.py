@@ -76,9 +76,10 @@ def t5_relative_bucket(
 
     .. math::
 
-        \text{bucket}(n) = \text{max\_exact} + \left\lfloor
-        \frac{\ln(n / \text{max\_exact})}{\ln(\text{max\_distance} / \text{max\_exact})}
-        (\text{buckets} - \text{max\_exact}) \right\rfloor,
+        \text{bucket}(n) = \text{max\_exact} + \Bigg\lfloor
+            &\frac{\ln(n / \text{max\_exact})}
+                  {\ln(\text{max\_distance} / \text{max\_exact})} \\
+            &\times (\text{buckets} - \text{max\_exact}) \Bigg\rfloor,
 
     clipped to the last bucket, so every distance beyond ``max_distance`` shares it. With
     ``bidirectional`` the buckets are split in two halves: keys in the future (``j > i``) use

@@ -130,7 +130,7 @@ def choose_kernel(kernel: str, device: torch.device | str) -> str:
 
 
 def kernel_for(backend: str, device: torch.device) -> str:
-    """:func:`choose_kernel` for a validated backend and device, unchecked (the per-call path)."""
+    """:func:`~ropelib.choose_kernel` for a validated backend and device, unchecked (the per-call path)."""
     if backend != "auto":
         return backend
     return "triton" if device.type == "cuda" else "torch"
@@ -434,7 +434,8 @@ def offset_positions(seqlen_offsets: object, batch: int, seq: int, device: torch
         int64 ``[seq]`` (an int offset) or ``[batch, seq]`` (a tensor), or None for the offset 0.
 
     Example:
-        >>> offset_positions(torch.tensor([0, 5]), 2, 3, torch.device("cpu")).tolist()
+        >>> cpu = torch.device("cpu")
+        >>> offset_positions(torch.tensor([0, 5]), 2, 3, cpu).tolist()
         [[0, 1, 2], [5, 6, 7]]
     """
     if seqlen_offsets is None:

@@ -30,9 +30,10 @@ import torch
 
 from ..packing import positions_in_documents
 
-#: Bytes of q and k per block of tokens on a CPU: the block and its buffers stay in the last-level
-#: cache. On a GPU (the PyTorch kernel as a fallback there) blocks are larger: each operation is a launch.
+#: The bytes of q and k in one block of tokens on a CPU, so that a block and its buffers stay in
+#: the last-level cache (off the CPU, where each operation is a launch, ``GPU_BLOCK_BYTES``).
 BLOCK_BYTES = 4 << 20
+#: The bytes of q and k in one block of tokens off the CPU (the PyTorch kernel as a GPU fallback).
 GPU_BLOCK_BYTES = 256 << 20
 
 
@@ -130,7 +131,7 @@ def _rotate_whole(x: torch.Tensor, out: torch.Tensor, phase: torch.Tensor) -> No
         torch.mul(src, phase[:, :, None, :], out=torch.view_as_complex(out[..., : 2 * r2].unflatten(-1, (r2, 2))))
 
 
-#: At most this many elements of q and k together (a decoding step: a few tokens) take the
+#: The most elements of q and k together (a decoding step of a few tokens) that take the
 #: few-operations path, :func:`rotate_half_few`, where the cost of a call is its number of operations.
 FEW_ELEMENTS = 1 << 14
 

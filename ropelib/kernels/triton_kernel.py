@@ -67,35 +67,45 @@ def _rotate_head_block(  # type: ignore[no-untyped-def]
     INTERLEAVED: tl.constexpr,
     COPY_REST: tl.constexpr,
 ):
-    """Rotate heads ``head0 .. head0 + BLOCK_H - 1`` of one token (``X``/``OUT`` point at its head 0)."""
+    """Rotate heads ``head0 .. head0 + BLOCK_H - 1`` of one token
+    (``X``/``OUT`` point at its head 0)."""
     heads = head0 + tl.arange(0, BLOCK_H)
     pairs = tl.arange(0, BLOCK_R2)
     head_ok = heads < num_heads
-    if INTERLEAVED:  # a contiguous row of 2 * BLOCK_R2 features per head, split into pairs in registers
+    out_dtype = OUT.dtype.element_ty
+    if INTERLEAVED:
+        # a contiguous row of 2 * BLOCK_R2 features per head, split into
+        # pairs in registers
         col = tl.arange(0, 2 * BLOCK_R2)
         mask2 = head_ok[:, None] & (col[None, :] < ROTARY_DIM)
-        x = tl.load(X + heads[:, None] * stride_xh + col[None, :], mask=mask2, other=0.0).to(cos.dtype)
+        x_ptr = X + heads[:, None] * stride_xh + col[None, :]
+        x = tl.load(x_ptr, mask=mask2, other=0.0).to(cos.dtype)
         a, b = tl.split(tl.reshape(x, [BLOCK_H, BLOCK_R2, 2]))
         ra = a * cos[None, :] - b * sin[None, :]
         rb = b * cos[None, :] + a * sin[None, :]
-        y = tl.reshape(tl.join(ra, rb), [BLOCK_H, 2 * BLOCK_R2]).to(OUT.dtype.element_ty)
-        tl.store(OUT + heads[:, None] * stride_oh + col[None, :], y, mask=mask2)
+        y = tl.reshape(tl.join(ra, rb), [BLOCK_H, 2 * BLOCK_R2])
+        y = y.to(out_dtype)
+        o_ptr = OUT + heads[:, None] * stride_oh + col[None, :]
+        tl.store(o_ptr, y, mask=mask2)
     else:  # two contiguous half-rows per head
         mask = head_ok[:, None] & (pairs[None, :] < ROTARY_DIM // 2)
         col = pairs[None, :]
         x_ptr = X + heads[:, None] * stride_xh + col
         a = tl.load(x_ptr, mask=mask, other=0.0).to(cos.dtype)
-        b = tl.load(x_ptr + ROTARY_DIM // 2, mask=mask, other=0.0).to(cos.dtype)
+        b = tl.load(x_ptr + ROTARY_DIM // 2, mask=mask, other=0.0)
+        b = b.to(cos.dtype)
         ra = a * cos[None, :] - b * sin[None, :]
         rb = b * cos[None, :] + a * sin[None, :]
         o_ptr = OUT + heads[:, None] * stride_oh + col
-        tl.store(o_ptr, ra.to(OUT.dtype.element_ty), mask=mask)
-        tl.store(o_ptr + ROTARY_DIM // 2, rb.to(OUT.dtype.element_ty), mask=mask)
+        tl.store(o_ptr, ra.to(out_dtype), mask=mask)
+        tl.store(o_ptr + ROTARY_DIM // 2, rb.to(out_dtype), mask=mask)
     if COPY_REST:
         rest = ROTARY_DIM + tl.arange(0, BLOCK_REST)
         rest_mask = head_ok[:, None] & (rest[None, :] < HEAD_DIM)
-        kept = tl.load(X + heads[:, None] * stride_xh + rest[None, :], mask=rest_mask)
-        tl.store(OUT + heads[:, None] * stride_oh + rest[None, :], kept, mask=rest_mask)
+        rest_x = X + heads[:, None] * stride_xh + rest[None, :]
+        kept = tl.load(rest_x, mask=rest_mask)
+        rest_out = OUT + heads[:, None] * stride_oh + rest[None, :]
+        tl.store(rest_out, kept, mask=rest_mask)
 
 
 @jit
@@ -154,16 +164,20 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     VARLEN: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
 ):
-    """Grid ``(batch * seq, q_blocks + k_blocks)``; see the module docstring."""
+    """Grid ``(batch * seq, q_blocks + k_blocks)``; see the module
+    docstring."""
     token = tl.program_id(0)
     block = tl.program_id(1)
     b = token // seq_len
     s = token % seq_len
-    if VARLEN:  # POS is cu_seqlens [num_docs + 1] of a packed row (batch 1): find the token's document
-        pos = s - _document_start(POS, s, stride_pb, SEARCH_STEPS)  # stride_pb holds num_docs here
+    if VARLEN:
+        # POS is cu_seqlens [num_docs + 1] of a packed row (batch 1): find
+        # the token's document; stride_pb holds num_docs here
+        pos = s - _document_start(POS, s, stride_pb, SEARCH_STEPS)
     else:
         pos = tl.load(POS + b * stride_pb + s * stride_ps)
-    pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)  # memory safety; the host validates the range
+    # memory safety; the host validates the range
+    pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)
     pairs = tl.arange(0, BLOCK_R2)
     pair_ok = pairs < ROTARY_DIM // 2
     cos = tl.load(COS + pos * stride_table + pairs, mask=pair_ok, other=0.0)

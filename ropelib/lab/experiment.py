@@ -219,14 +219,17 @@ class Block(nn.Module):
 
 
 class TinyTransformer(nn.Module):
-    """A causal transformer whose only difference between runs is the position encoding.
+    """A causal transformer whose only difference between runs is the
+    position encoding.
 
-    Absolute encodings (``sinusoidal``, ``learned``) are added once to the token embeddings
-    (Vaswani et al., 2017); relative biases (``t5``, ``alibi``) and ``rope`` act in every attention
-    layer; ``none`` (NoPE, Kazemnejad et al., 2023) relies on the causal mask alone.
+    Absolute encodings (``sinusoidal``, ``learned``) are added once to the
+    token embeddings (Vaswani et al., 2017); relative biases (``t5``,
+    ``alibi``) and ``rope`` act in every attention layer; ``none`` (NoPE,
+    Kazemnejad et al., 2023) relies on the causal mask alone.
 
     Shapes:
-        ``forward(tokens)``: int64 ``[batch, seq]`` -> logits ``[batch, seq, vocab_size]``.
+        ``forward(tokens)``: int64 ``[batch, seq]`` -> logits
+        ``[batch, seq, vocab_size]``.
     """
 
     def __init__(self, config: LabConfig, encoding: str) -> None:
@@ -238,9 +241,15 @@ class TinyTransformer(nn.Module):
         if encoding == "sinusoidal":
             self.absolute = SinusoidalPositionalEncoding(config.embed_dim)
         elif encoding == "learned":
-            self.absolute = LearnedPositionalEmbedding(config.train_length, config.embed_dim)
-        in_attention = encoding if encoding in ("t5", "alibi", "rope") else "none"
-        self.blocks = nn.ModuleList(Block(config, in_attention) for _ in range(config.num_layers))
+            self.absolute = LearnedPositionalEmbedding(
+                config.train_length,
+                config.embed_dim,
+            )
+        relative = encoding in ("t5", "alibi", "rope")
+        in_attention = encoding if relative else "none"
+        self.blocks = nn.ModuleList(
+            [Block(config, in_attention) for _ in range(config.num_layers)],
+        )
         self.norm = nn.LayerNorm(config.embed_dim)
         self.head = nn.Linear(config.embed_dim, config.vocab_size)
 

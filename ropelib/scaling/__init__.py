@@ -172,7 +172,8 @@ def scaled_inverse_frequencies(
         ``(inv_freq, attention_scaling)``: float64 ``[d/2]`` and a Python float.
 
     Example:
-        >>> inv, s = scaled_inverse_frequencies(4, 100.0, {"rope_type": "linear", "factor": 2.0})
+        >>> linear = {"rope_type": "linear", "factor": 2.0}
+        >>> inv, s = scaled_inverse_frequencies(4, 100.0, linear)
         >>> inv.tolist(), s
         ([0.5, 0.05], 1.0)
     """
@@ -291,8 +292,10 @@ def rope_frequencies(
 
     Example:
         >>> inv_freq, scale = rope_frequencies(8, theta=10000.0)
-        >>> inv_freq.tolist(), scale
-        ([1.0, 0.10000000149011612, 0.009999999776482582, 0.0010000000474974513], 1.0)
+        >>> inv_freq
+        tensor([1.0000, 0.1000, 0.0100, 0.0010])
+        >>> inv_freq.dtype, inv_freq[1].item(), scale  # float32's 0.1
+        (torch.float32, 0.10000000149011612, 1.0)
     """
     inv_freq, attention_scaling = inverse_frequencies64(
         head_dim,

@@ -79,9 +79,12 @@ def register_scaling(
     """Decorator adding ``compute`` to :data:`~ropelib.scaling.registry.ROPE_SCALINGS` under ``name``.
 
     Example:
-        >>> @register_scaling("flat", required={"factor"}, paper="an example", replace=True)
+        >>> @register_scaling(
+        ...     "flat", required={"factor"}, paper="an example", replace=True
+        ... )
         ... def flat(rotary_dim, theta, params, **_):
-        ...     return torch.full((rotary_dim // 2,), 1.0 / theta, dtype=torch.float64), 1.0
+        ...     half = (rotary_dim // 2,)
+        ...     return torch.full(half, 1.0 / theta, dtype=torch.float64), 1.0
         >>> ROPE_SCALINGS["flat"].required
         frozenset({'factor'})
         >>> del ROPE_SCALINGS["flat"]

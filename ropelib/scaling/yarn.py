@@ -34,16 +34,24 @@ def yarn_correction_dim(num_rotations: float, rotary_dim: int, theta: float, ori
 
 
 def yarn_ramp(
-    rotary_dim: int, theta: float, original_length: int, beta_fast: float, beta_slow: float, truncate: bool = True
+    rotary_dim: int,
+    theta: float,
+    original_length: int,
+    beta_fast: float,
+    beta_slow: float,
+    truncate: bool = True,
 ) -> torch.Tensor:
-    r"""YaRN's ramp ``gamma_i`` in float64, ``[d/2]``: 0 = keep (extrapolate), 1 = divide by ``s`` (interpolate).
+    r"""YaRN's ramp ``gamma_i`` in float64, ``[d/2]``: 0 = keep
+    (extrapolate), 1 = divide by ``s`` (interpolate).
 
-    ``low = i(beta_fast)``, ``high = i(beta_slow)`` (floored / ceiled when ``truncate``), clipped to
-    ``[0, d - 1]``; ``gamma_i = clamp((i - low) / (high - low), 0, 1)``; when ``low == high`` the
-    denominator is 0.001, as in Hugging Face.
+    ``low = i(beta_fast)``, ``high = i(beta_slow)`` (floored / ceiled when
+    ``truncate``), clipped to ``[0, d - 1]``;
+    ``gamma_i = clamp((i - low) / (high - low), 0, 1)``; when
+    ``low == high`` the denominator is 0.001, as in Hugging Face.
     """
-    low = yarn_correction_dim(beta_fast, rotary_dim, theta, original_length)
-    high = yarn_correction_dim(beta_slow, rotary_dim, theta, original_length)
+    shape = (rotary_dim, theta, original_length)
+    low = yarn_correction_dim(beta_fast, *shape)
+    high = yarn_correction_dim(beta_slow, *shape)
     if truncate:
         low, high = math.floor(low), math.ceil(high)
     low, high = max(low, 0), min(high, rotary_dim - 1)

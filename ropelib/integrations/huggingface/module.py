@@ -75,10 +75,14 @@ class HFRotaryEmbedding(nn.Module):
         (``[1, seq, ...]`` for 1-D positions; complex64 for ``"complex"``).
 
     Example:
-        >>> config = {"hidden_size": 32, "num_attention_heads": 4, "max_position_embeddings": 64}
-        >>> cos, sin = HFRotaryEmbedding(config)(torch.zeros(1), torch.tensor([[0, 1, 2]]))
-        >>> cos.shape, cos[0, 0].tolist() == [1.0] * 8, sin[0, 0].tolist() == [0.0] * 8
-        (torch.Size([1, 3, 8]), True, True)
+        >>> config = {"hidden_size": 32, "num_attention_heads": 4,
+        ...           "max_position_embeddings": 64}
+        >>> rotary = HFRotaryEmbedding(config)
+        >>> cos, sin = rotary(torch.zeros(1), torch.tensor([[0, 1, 2]]))
+        >>> cos.shape, cos[0, 0].tolist() == [1.0] * 8
+        (torch.Size([1, 3, 8]), True)
+        >>> sin[0, 0].tolist() == [0.0] * 8
+        True
     """
 
     def __init__(

@@ -141,8 +141,8 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
 
     Example:
         >>> from transformers import LlamaConfig, LlamaForCausalLM
-        >>> config = LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        ...                      num_attention_heads=2, vocab_size=50)
+        >>> config = LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=50)
         >>> model = patch_hf_rope(LlamaForCausalLM(config))
         >>> type(model.model.rotary_emb).__name__
         'HFRotaryEmbedding'
@@ -231,8 +231,9 @@ def use_ropelib_rope(model: ModelT, *, backend: str = "auto") -> Iterator[ModelT
 
     Example:
         >>> from transformers import Qwen2Config, Qwen2ForCausalLM
-        >>> config = Qwen2Config(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
-        ...                      num_attention_heads=2, num_key_value_heads=1, vocab_size=50)
+        >>> config = Qwen2Config(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2,
+        ...     num_key_value_heads=1, vocab_size=50)
         >>> model = Qwen2ForCausalLM(config)
         >>> with use_ropelib_rope(model):
         ...     type(model.model.rotary_emb).__name__
