@@ -98,3 +98,11 @@ def test_small_calls_and_other_layouts_never_start_a_build(monkeypatch: pytest.M
     rotary_qk(q, k, cos, sin, positions, inplace=True)
     rotary_qk(q, k, cos, sin, positions, conjugate=True)
     assert builds.kinds == {}
+
+
+def test_no_build_past_the_limit_of_kinds(fresh: compiled_kernel._Builds, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(compiled_kernel, "enabled", lambda: True)
+    monkeypatch.setattr(compiled_kernel, "MAX_KINDS", 0)
+    q, k, cos, sin, positions = inputs()
+    assert_rotated(rotary_qk(q, k, cos, sin, positions), q, k, positions, 16)
+    assert fresh.kinds == {}

@@ -36,6 +36,9 @@ import torch
 #: Calls with fewer elements of q and k together are left to the eager kernel (its fixed costs are
 #: small there, and a compiled call has its own: guards, dispatch).
 MIN_ELEMENTS = 1 << 22
+#: At most this many kinds are built in one process (each is a graph of its own): calls of other
+#: kinds stay eager, rather than growing the compiled function's cache towards its recompile limit.
+MAX_KINDS = 4
 #: ``ROPELIB_CPU_COMPILE=0`` in the environment turns the compiled path off.
 ENV = "ROPELIB_CPU_COMPILE"
 
@@ -157,7 +160,7 @@ def ready(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor) -> Rotation | Non
         return _call
     if state is None and enabled():
         with _BUILDS.lock:
-            if kind not in _BUILDS.kinds:
+            if kind not in _BUILDS.kinds and len(_BUILDS.kinds) < MAX_KINDS:
                 shapes = (q.shape, k.shape, cos.shape)
                 thread = threading.Thread(target=_build, args=(kind, shapes), name="ropelib-cpu-compile", daemon=True)
                 _BUILDS.kinds[kind] = thread
