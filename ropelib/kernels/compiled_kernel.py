@@ -36,8 +36,8 @@ import torch
 #: Calls with fewer elements of q and k together are left to the eager kernel (its fixed costs are
 #: small there, and a compiled call has its own: guards, dispatch).
 MIN_ELEMENTS = 1 << 22
-#: At most this many kinds are built in one process (each is a graph of its own): calls of other
-#: kinds stay eager, rather than growing the compiled function's cache towards its recompile limit.
+#: The most kinds built in one process, each a graph of its own. Calls of other kinds stay eager,
+#: rather than growing the compiled function's cache towards its recompile limit.
 MAX_KINDS = 4
 #: ``ROPELIB_CPU_COMPILE=0`` in the environment turns the compiled path off.
 ENV = "ROPELIB_CPU_COMPILE"
