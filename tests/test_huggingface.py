@@ -199,6 +199,25 @@ def test_cached_decoding_with_left_padding_matches_unpatched(
         assert torch.allclose(patched.model.rotary_emb.inv_freq, reference.model.rotary_emb.inv_freq, rtol=1e-6, atol=0)
 
 
+def test_cached_decoding_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under torch.inference_mode the tables are inference tensors, which have no version counter:
+    # the patched model must still decode (its layers then rebuild the shared rows) and agree.
+    reference = tiny_model("llama", "default")
+    patched = patched_copy(reference)
+    prompt = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(3))
+    steps = torch.randint(1, 100, (2, 4), generator=torch.Generator().manual_seed(4))
+    caches = [transformers.DynamicCache(config=m.config) for m in (reference, patched)]
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
+    with torch.inference_mode():
+        outs = [m(prompt, cache=c, use_cache=True).logits for m, c in zip((reference, patched), caches)]
+        assert_logits_close(outs[0], outs[1])
+        for step in range(steps.shape[1]):
+            token = steps[:, step : step + 1]
+            outs = [m(token, cache=c, use_cache=True).logits for m, c in zip((reference, patched), caches)]
+            assert_logits_close(outs[0], outs[1])
+    assert ropelib_calls[0] == (1 + steps.shape[1]) * 2  # every pass of the patched model, 2 layers each
+
+
 def test_triton_backend_matches_unpatched() -> None:
     # The fused Triton kernel that "auto" picks on CUDA; without CUDA it runs in Triton's interpreter
     # (TRITON_INTERPRET=1, set by ropelib), slowly, hence one small prefill with per-row positions.

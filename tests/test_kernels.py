@@ -345,3 +345,14 @@ def test_few_token_rows_follow_the_tables() -> None:
     torch.testing.assert_close(sin_only, expected, rtol=0, atol=1e-6)
     other_cos, other_sin = tables(16, 40)
     check(rotary_qk(q, k, other_cos, other_sin, position, kernel="torch")[0], rotate_ref(q, position, theta=THETA), q)
+
+
+def test_few_token_rows_of_inference_tables() -> None:
+    # Tables made under torch.inference_mode have no version counter: the one-position rows are then
+    # made afresh at each call, never kept, and still right.
+    q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16)
+    with torch.inference_mode():
+        cos, sin = (t.clone() for t in tables(16, 40))
+    position = torch.tensor([[7]])
+    for _ in range(2):
+        check(rotary_qk(q, k, cos, sin, position, kernel="torch")[0], rotate_ref(q, position, theta=THETA), q)

@@ -167,8 +167,12 @@ def wide_rows(
     host; the rows of the last such call are kept (``_LAST_ROWS``), so that the layers of one
     decoding step, which share tables and position, build them once.
     """
-    if position is not None and not (cos.is_inference() or sin.is_inference()):  # those have no version counter
-        return _rows_at(cos, sin, position, conjugate)
+    if position is not None:
+        rows = _LAST_ROWS.get((cos, sin), (position, conjugate))
+        if rows is None:
+            rows = split_wide(wide_table(cos[position], sin[position], conjugate))
+            _LAST_ROWS.put((cos, sin), (position, conjugate), rows)
+        return rows
     index = positions.reshape(-1)
     rows = wide_table(cos.index_select(0, index), sin.index_select(0, index), conjugate)  # [T, 2, r]
     return split_wide(rows[0] if index.shape[0] == 1 else rows.view(*positions.shape, 1, *rows.shape[1:]))
@@ -180,24 +184,39 @@ def split_wide(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return cos, signed_sin
 
 
-#: The rows of the last single-position call: ``(key, rows)``, the key holding weak references to
-#: the tables, their version counters (an in-place change of a table is seen), the position and
-#: the direction. One entry: a decoding step's layers ask for the same rows in turn.
-_LAST_ROWS: list[Any] = [None, None]
+class LastCall:
+    """The value made for the last key: tensors (held weakly, with their version counters) and plain values.
+
+    One entry, for values that consecutive calls share (the layers of one decoding step ask for
+    the same rows in turn). A key's tensors must be the very same objects, unchanged: an in-place
+    change bumps a version counter and misses. Inference tensors have no version counter, so a
+    key with one is never kept (each such call makes its value again).
+    """
+
+    def __init__(self) -> None:
+        self._entry: tuple[Any, ...] | None = None
+
+    def get(self, tensors: tuple[torch.Tensor, ...], key: object) -> Any:
+        """The value kept for ``tensors`` and ``key``, or None."""
+        entry = self._entry  # one read: a concurrent put replaces the whole entry
+        if entry is None or entry[2] != key:
+            return None
+        refs, versions, _, value = entry
+        for ref, version, tensor in zip(refs, versions, tensors, strict=True):
+            if ref() is not tensor or tensor._version != version:
+                return None
+        return value
+
+    def put(self, tensors: tuple[torch.Tensor, ...], key: object, value: Any) -> None:
+        """Keep ``value`` for ``tensors`` and ``key`` (not for inference tensors), replacing the entry."""
+        if any(t.is_inference() for t in tensors):
+            return
+        self._entry = (tuple(weakref.ref(t) for t in tensors), tuple(t._version for t in tensors), key, value)
 
 
-def _rows_at(cos: torch.Tensor, sin: torch.Tensor, position: int, conjugate: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    key, rows = _LAST_ROWS
-    if (
-        key is not None
-        and key[0]() is cos
-        and key[1]() is sin
-        and key[2:] == (cos._version, sin._version, position, conjugate)
-    ):
-        return rows
-    rows = split_wide(wide_table(cos[position], sin[position], conjugate))
-    _LAST_ROWS[:] = [(weakref.ref(cos), weakref.ref(sin), cos._version, sin._version, position, conjugate), rows]
-    return rows
+#: The rows of the last single-position call of :func:`wide_rows`, keyed by its tables, position
+#: and direction.
+_LAST_ROWS = LastCall()
 
 
 def rotate_half_few(

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from ...kernels.ops import kernel_for, rotate_by_token_tables
-from ...kernels.torch_kernel import few_elements, rotate_half_few
+from ...kernels.torch_kernel import LastCall, few_elements, rotate_half_few
 from .module import HFRotaryEmbedding
 
 #: every HFRotaryEmbedding that patch_hf_rope put into a model and unpatch_hf_rope has not taken out
@@ -79,7 +79,7 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
     if _few(q, k, found, interleaved):  # HF's own cos is cat(c, c) in float32; the sine gets its signs
         signed_sin = torch.cat((-sin_half, sin_half), -1).unsqueeze(unsqueeze_dim)
         few = (found, cos.unsqueeze(unsqueeze_dim), signed_sin)
-        _LAST_FEW[:] = [(weakref.ref(cos), cos._version, unsqueeze_dim), few]
+        _LAST_FEW.put((cos,), unsqueeze_dim, few)
         return rotate_half_few(q, k, few[1], few[2])
     if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -89,17 +89,14 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
     return q, k
 
 
-#: The few-token tables of the last call: ``(key, (found, cos, signed_sin))``, the key a weak
-#: reference to the ``cos`` tensor the installed module returned, its version and ``unsqueeze_dim``.
-#: Every layer of a decoding step passes the same ``cos``: the first builds them, the others reuse them.
-_LAST_FEW: list[Any] = [None, None]
+#: The few-token tables ``(found, cos, signed_sin)`` of the last call, keyed by the ``cos`` tensor the
+#: installed module returned and ``unsqueeze_dim``. Every layer of a decoding step passes the same
+#: ``cos``: the first builds them, the others reuse them.
+_LAST_FEW = LastCall()
 
 
 def _few_tables(cos: object, unsqueeze_dim: int) -> tuple[Tables, torch.Tensor, torch.Tensor] | None:
-    key, few = _LAST_FEW
-    if key is None or key[0]() is not cos or not isinstance(cos, torch.Tensor):
-        return None
-    return few if key[1:] == (cos._version, unsqueeze_dim) else None
+    return _LAST_FEW.get((cos,), unsqueeze_dim) if isinstance(cos, torch.Tensor) else None
 
 
 def _few(q: torch.Tensor, k: torch.Tensor, found: Tables, interleaved: bool) -> bool:
