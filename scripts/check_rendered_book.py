@@ -285,6 +285,11 @@ MEASURE_JS = r"""
 # ----------------------------------------------------------------------------- HTML reading
 
 
+def _in_section(section: str | None) -> str:
+    """`` (section NAME)`` for a problem's message, or nothing when the section is unknown."""
+    return f" (section {section})" if section else ""
+
+
 @dataclass
 class PageScan:
     """What one HTML document contains, as far as the checks are concerned."""
@@ -563,7 +568,7 @@ class Checker:
         for out in m.get("outputs", []):
             classes = out.get("classes", "").split()
             first = next((line.strip() for line in out.get("text", "").splitlines() if line.strip()), "")
-            at = f" (section {out['section']})" if out.get("section") else ""
+            at = _in_section(out.get("section"))
             if "stderr" in classes:
                 problems.append(f"stderr in a cell output{at}: {first[:100]!r}")
                 continue
@@ -574,7 +579,7 @@ class Checker:
                     problems.append(f"cell output{at} looks like {what}: {line.strip()[:100]!r}")
                     break
         for section in m.get("widgets", []):
-            at = f" (section {section})" if section else ""
+            at = _in_section(section)
             problems.append(
                 f"widget output{at} ({WIDGET_MIME}): a progress bar or widget has no place on a static page"
             )
@@ -585,7 +590,7 @@ class Checker:
         seen: dict[str, list[dict]] = {}
         for img in m.get("images", []):
             src = img["src"]
-            at = f" (section {img['section']})" if img.get("section") else ""
+            at = _in_section(img.get("section"))
             name = "a data: image" if src.startswith("data:") else src
             if len(name) > 70:
                 name = "..." + name[-60:]
@@ -652,7 +657,7 @@ class Checker:
                 or eq["math_left"] < column.get("left", -1e9) - SLACK_PX
             )
             if over:
-                at = f" (section {eq['section']})" if eq.get("section") else ""
+                at = _in_section(eq.get("section"))
                 tex = eq.get("tex", "")
                 tex = tex[:70] + ("..." if len(tex) > 70 else "")
                 problems.append(
@@ -662,7 +667,7 @@ class Checker:
         for code in m.get("code", []):
             if not code.get("shown") or code["scroll_width"] <= code["client_width"] + SLACK_PX:
                 continue
-            at = f" (section {code['section']})" if code.get("section") else ""
+            at = _in_section(code.get("section"))
             what = {"input": "code cell", "output": "cell output", "block": "code block"}[code["kind"]]
             longest = code.get("longest", "").rstrip()
             problems.append(
@@ -676,7 +681,7 @@ class Checker:
                 table["holder_scroll_width"] > table["holder_client_width"] + SLACK_PX
                 or table["width"] > table["column_width"] + SLACK_PX
             ):
-                at = f" (section {table['section']})" if table.get("section") else ""
+                at = _in_section(table.get("section"))
                 problems.append(
                     f"table wider than the text column{at}: {table['width']:.0f} px in "
                     f"{table['holder_client_width']:.0f} px (first cell {table['first_cell']!r})"
