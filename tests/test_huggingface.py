@@ -575,24 +575,22 @@ def tiny_gemma3() -> torch.nn.Module:
     return transformers.Gemma3ForCausalLM(config)
 
 
+def mrope_text(mrope_section: list[int], **extra: Any) -> dict[str, Any]:
+    """The text config of the tiny Qwen-VL models: TINY with M-RoPE sections over base 10^4."""
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": mrope_section}
+    return dict(**TINY, **extra, initializer_range=0.1, rope_parameters=rope)
+
+
 def tiny_qwen2_vl() -> torch.nn.Module:
     # M-RoPE with mrope_section (2, 3, 3) of the 8 frequency pairs; a one-block vision tower (unused by text).
-    text = dict(
-        **TINY,
-        initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    )
+    text = mrope_text([2, 3, 3])
     vision = dict(depth=1, embed_dim=32, hidden_size=64, num_heads=2, mlp_ratio=2, patch_size=2, spatial_merge_size=2)
     config = transformers.Qwen2VLConfig(text_config=text, vision_config=vision, **SPECIAL)
     return transformers.Qwen2VLForConditionalGeneration(config)
 
 
 def tiny_qwen2_5_vl() -> torch.nn.Module:
-    text = dict(
-        **TINY,
-        initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]},
-    )
+    text = mrope_text([2, 3, 3])
     vision = dict(
         depth=1,
         hidden_size=32,
@@ -609,12 +607,7 @@ def tiny_qwen2_5_vl() -> torch.nn.Module:
 
 def tiny_qwen3_vl() -> torch.nn.Module:
     # Qwen3-VL's interleaved M-RoPE: pairs 1, 4 to height, 2, 5 to width (3 * 2 < 8), the rest to time.
-    text = dict(
-        **TINY,
-        head_dim=16,
-        initializer_range=0.1,
-        rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [4, 2, 2]},
-    )
+    text = mrope_text([4, 2, 2], head_dim=16)
     vision = dict(
         depth=1,
         hidden_size=32,
