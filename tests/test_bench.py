@@ -75,14 +75,23 @@ def test_json_report(tmp_path: Path) -> None:
     assert saved["copy_gbs"] > 0
     combos = {(r["layout"], r["mode"]) for r in saved["results"] if r["impl"] == "ropelib"}
     assert combos == {("half", "fwd"), ("half", "fwd+bwd"), ("interleaved", "fwd"), ("interleaved", "fwd+bwd")}
+    roofs = ("roof: copy into buffer", "roof: clone()")
     for r in saved["results"]:
         assert set(r) == FIELDS
         assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
-        assert r["bytes"] == (896 if r["mode"] == "fwd" else 1792)  # the hand count above
+        forward_only = r["mode"] == "fwd" or r["impl"] in roofs  # a roof moves q and k once
+        assert r["bytes"] == (896 if forward_only else 1792)  # the hand count above
         assert r["gbs"] == pytest.approx(r["bytes"] / r["median_ms"] / 1e6)
     # Every implementation is checked against the float64 reference before it is timed.
     assert all(r["correct"] for r in saved["results"]), [(r["impl"], r["max_abs_error"]) for r in saved["results"]]
     assert {"HF eager", "seed complex"} <= {r["impl"] for r in saved["results"]}
+    # both roofs are timed in every configuration's rounds, and the percentages are taken of them
+    for layout, mode in combos:
+        rows = {r["impl"]: r for r in saved["results"] if (r["layout"], r["mode"]) == (layout, mode)}
+        copy, clone = (rows[name] for name in roofs)
+        for r in rows.values():
+            assert r["pct_copy"] == pytest.approx(100 * r["gbs"] / copy["gbs"])
+            assert r["pct_clone"] == pytest.approx(100 * r["gbs"] / clone["gbs"])
     assert saved["clone_gbs"] > 0
     decode = {r["impl"]: r for r in saved["decode"]}
     assert set(decode) == {"ropelib RotaryEmbedding", "ropelib rotary_qk", "HF apply_rotary_pos_emb"}

@@ -2,8 +2,8 @@ r"""``python -m ropelib.bench``: RoPE implementations side by side, against this
 
 Run ``python -m ropelib.bench --help``. Every argument is checked before any work starts. The
 rows: every implementation at each configuration (:mod:`ropelib.bench.rope`), with the copy roof
-(copy into a preallocated buffer: in-place) and the clone roof (a fresh output: out of place) of
-:mod:`ropelib.bench.harness`; a decode-shape row and a patched-vs-unpatched model step
+(copy into a preallocated buffer: in place) and the clone roof (a fresh output: out of place)
+timed in the same rounds; a decode-shape row and a patched-vs-unpatched model step
 (:mod:`ropelib.bench.decode`); ``--bias`` for relative-bias attention (:mod:`ropelib.bench.bias`).
 ``--quick`` runs small shapes in under a minute.
 
@@ -31,8 +31,7 @@ import torch
 
 from .._device import device_name
 from ..layouts import LAYOUTS
-from .harness import clone_fn, copy_fn, time_interleaved
-from .rope import CPU_SHAPE, DTYPES, GPU_SHAPE, IMPL_NAMES, MODES, Result, rope_bytes, run_config
+from .rope import CLONE_ROOF, COPY_ROOF, CPU_SHAPE, DTYPES, GPU_SHAPE, IMPL_NAMES, MODES, Result, run_config
 
 QUICK_SHAPE = (1, 256, 8, 8, 64)
 #: Read by the CLI's process at start-up; recorded with every result.
@@ -133,12 +132,9 @@ def environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def format_table(results: Sequence[Result], copy_gbs: float) -> str:
-    """A plain-text table, one block per configuration, at most 76 characters wide."""
-    lines = [
-        f"copy bandwidth: {copy_gbs:.1f} GB/s",
-        "% copy: of the in-place roof; % clone: of the out-of-place roof",
-    ]
+def format_table(results: Sequence[Result]) -> str:
+    """A plain-text table, one block per configuration with its two roofs first, at most 76 characters wide."""
+    lines = ["% copy: of the in-place roof; % clone: of the out-of-place roof (same rounds)"]
     header = f"{'implementation':<25}{'ms':>9}{'GB/s':>7}{'% copy':>8}{'% clone':>9}{'x ropelib':>10}{'ok':>4}"
     last = None
     for r in results:
@@ -154,10 +150,9 @@ def format_table(results: Sequence[Result], copy_gbs: float) -> str:
     return "\n".join(lines)
 
 
-def _roof(fn: Any, nbytes: int, device: torch.device, reps: int, warmup: int) -> tuple[float, int]:
-    call, moved = fn(nbytes, device)
-    times = time_interleaved({"roof": call}, device, reps=reps, warmup=warmup)
-    return moved / statistics.median(times["roof"]) / 1e9, moved
+def _median_roof(results: Sequence[Result], roof: str) -> float:
+    """The median over configurations of a roof's GB/s (each configuration has its own, in its rounds)."""
+    return statistics.median(r.gbs for r in results if r.impl == roof)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
@@ -168,9 +163,6 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     configs = [(s, d, lay, m) for s in shapes for d in dtypes for lay in args.layouts for m in args.modes]
     from tqdm.auto import tqdm
 
-    largest = max(rope_bytes(b, s, hq, hk, d, torch.float32) // 2 for b, s, hq, hk, d in shapes)
-    copy_gbs, copy_bytes = _roof(copy_fn, largest, device, args.reps, args.warmup)
-    clone_gbs, _ = _roof(clone_fn, largest, device, args.reps, args.warmup)
     results: list[Result] = []
     skipped: dict[str, str] = {}
     with tqdm(total=0, desc="rope bench", disable=args.quiet, unit="call") as bar:
@@ -184,22 +176,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
                 device,
                 reps=args.reps,
                 warmup=args.warmup,
-                copy_gbs=copy_gbs,
-                clone_gbs=clone_gbs,
                 only=args.impls,
                 compile_peer=not args.no_compile,
                 progress=bar,
             )
             results += out
             skipped.update(skip)
-    print(format_table(results, copy_gbs))
+    print(format_table(results))
     if skipped:
         print("\nnot timed: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
     document: dict[str, Any] = {
         **environment(device),
-        "copy_gbs": copy_gbs,
-        "clone_gbs": clone_gbs,
-        "copy_bytes": copy_bytes,
+        "copy_gbs": _median_roof(results, COPY_ROOF),
+        "clone_gbs": _median_roof(results, CLONE_ROOF),
         "reps": args.reps,
         "warmup": args.warmup,
         "results": [asdict(r) for r in results],

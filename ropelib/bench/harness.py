@@ -1,4 +1,4 @@
-"""The timing harness: interleaved rounds in one process, and the memory roofs every result is compared with."""
+"""The timing harness: interleaved rounds in one process."""
 
 from __future__ import annotations
 
@@ -61,25 +61,3 @@ def time_interleaved(
             if progress is not None:
                 progress.update(1)
     return times
-
-
-def copy_fn(nbytes: int, device: torch.device) -> tuple[Callable[[], Any], int]:
-    """A copy of ``nbytes`` into a preallocated buffer, and the bytes it moves (read + write).
-
-    A fresh ``clone()`` would mostly measure the page faults of new memory on a CPU, not bandwidth.
-    """
-    count = max(1, nbytes // 4)
-    src = torch.randn(count, device=device)
-    dst = torch.empty_like(src)
-    return (lambda: dst.copy_(src)), 2 * count * 4
-
-
-def clone_fn(nbytes: int, device: torch.device) -> tuple[Callable[[], Any], int]:
-    """A ``clone()`` of ``nbytes``: the out-of-place roof, and the bytes it moves (read + write).
-
-    Like every out-of-place rotation it writes a freshly allocated tensor, so on a CPU it pays the
-    same page faults of new memory; :func:`copy_fn` is the roof of an in-place rotation.
-    """
-    count = max(1, nbytes // 4)
-    src = torch.randn(count, device=device)
-    return (lambda: src.clone()), 2 * count * 4

@@ -8,8 +8,11 @@ round in one process so that a noisy machine slows all of them alike, and report
   excluded; ``time.perf_counter`` on a CPU);
 * the achieved bandwidth, :func:`rope_bytes` divided by the median: the bytes the operation
   cannot avoid moving, the same numerator for every implementation;
-* that bandwidth as a percentage of the device's copy bandwidth (a copy into a preallocated buffer,
-  the in-place roof) and the ratio to a ``clone()`` of q and k (the out-of-place roof).
+* that bandwidth as a percentage of two roofs timed in the same rounds on the same q and k
+  (:data:`ROOFS`): a copy into preallocated buffers (the in-place roof) and a ``clone()`` (a fresh
+  output, the out-of-place roof, which on a CPU pays the page faults of new memory as an
+  out-of-place rotation does). Both are rows of the result, so the percentages are ratios of
+  times measured side by side.
 
 Each implementation's output is checked against the float64 reference
 (:func:`ropelib.apply_rotary`) before it is timed.
@@ -27,7 +30,7 @@ import torch
 
 from .._validation import check_choice
 from ..complex_rope import apply_rotary_emb
-from ..kernels import compiled_kernel, rotary_qk
+from ..kernels import native_kernel, rotary_qk
 from ..layouts import rotate_half
 from ..reference import apply_rotary
 from ..rotary import RotaryEmbedding
@@ -54,6 +57,9 @@ IMPL_NAMES = (
 )
 
 Impl = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+#: The roofs' rows: a copy of q and k into preallocated buffers, and a ``clone()`` of them.
+COPY_ROOF, CLONE_ROOF = "roof: copy into buffer", "roof: clone()"
+ROOFS = (COPY_ROOF, CLONE_ROOF)
 
 
 def rope_bytes(
@@ -222,13 +228,15 @@ def run_config(
     *,
     reps: int,
     warmup: int,
-    copy_gbs: float,
-    clone_gbs: float,
     only: Sequence[str] | None = None,
     compile_peer: bool = True,
     progress: Any = None,
 ) -> tuple[list[Result], dict[str, str]]:
-    """Time every implementation on one configuration; see the module docstring."""
+    """Time every implementation and the two :data:`ROOFS` on one configuration; see the module docstring.
+
+    The roofs' rows move q and k once (read and write), the bytes of one forward pass; their
+    ``correct`` says that they reproduce q and k exactly.
+    """
     batch, seq, q_heads, kv_heads, head_dim = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
     q = torch.randn(batch, seq, q_heads, head_dim, generator=gen).to(device=device, dtype=dtype)
@@ -256,14 +264,28 @@ def run_config(
     with torch.no_grad():
         for fn, _ in impls.values():  # a first call (on copies: some rotate in place) starts ropelib's
             fn(q.clone(), k.clone())  # compiled CPU path, if this configuration has one
-        compiled_kernel.wait(COMPILE_WAIT_S)  # so that what is checked below is what is timed
+        native_kernel.wait(COMPILE_WAIT_S)  # so that what is checked below is what is timed
         for name, (fn, impl_layout) in impls.items():
             errors[name] = _max_error(fn(q.clone(), k.clone()), refs[impl_layout])
     del refs
+    buffers = (torch.empty_like(q), torch.empty_like(k))
+    roofs: dict[str, Callable[[], Any]] = {
+        COPY_ROOF: lambda: torch._foreach_copy_(list(buffers), [q, k]),
+        CLONE_ROOF: lambda: (q.clone(), k.clone()),
+    }
+    roofs[COPY_ROOF]()
+    errors[COPY_ROOF] = max((b - x).abs().max().item() for b, x in zip(buffers, (q, k)))
+    errors[CLONE_ROOF] = 0.0  # clone() reproduces its input by definition
+    if progress is not None:
+        progress.total += len(roofs) * (reps + warmup)
     if mode == "fwd":
-        calls: dict[str, Callable[[], Any]] = {name: functools.partial(fn, q, k) for name, (fn, _) in impls.items()}
+        own = (q.clone(), k.clone())  # rotated over and over in place, so that the others' q and k stay as they are
+        calls: dict[str, Callable[[], Any]] = {
+            name: functools.partial(fn, *(own if name == "ropelib (in place)" else (q, k)))
+            for name, (fn, _) in impls.items()
+        }
         with torch.no_grad():
-            times = time_interleaved(calls, device, reps=reps, warmup=warmup, progress=progress)
+            times = time_interleaved({**roofs, **calls}, device, reps=reps, warmup=warmup, progress=progress)
     else:
         qg, kg = q.clone().requires_grad_(), k.clone().requires_grad_()
         grads = (torch.randn_like(q), torch.randn_like(k))
@@ -272,12 +294,14 @@ def run_config(
             torch.autograd.grad(fn(qg, kg), (qg, kg), grads)
 
         calls = {name: functools.partial(step, fn) for name, (fn, _) in impls.items()}
-        times = time_interleaved(calls, device, reps=reps, warmup=warmup, progress=progress)
-    nbytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
+        times = time_interleaved({**roofs, **calls}, device, reps=reps, warmup=warmup, progress=progress)
+    fwd_bytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype)
+    copy_gbs, clone_gbs = (fwd_bytes / statistics.median(times[name]) / 1e9 for name in ROOFS)
     tol = reference_tolerance(dtype)
     results = []
-    for name in impls:
+    for name in (*roofs, *impls):
         median = statistics.median(times[name])
+        nbytes = fwd_bytes if name in roofs else rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
         gbs = nbytes / median / 1e9
         results.append(
             Result(

@@ -23,9 +23,10 @@ backward, so ``inplace=True`` trains too (as flash-attn's does).
 
 In eager mode with no gradient to record (inference) the operators are skipped, since their
 dispatch costs more than the rotation itself at decoding shapes: a few tokens take
-:func:`~ropelib.kernels.torch_kernel.rotate_half_few` (four list operations), a large out-of-place
-"half" rotation on the CPU the compiled loop of :mod:`~ropelib.kernels.compiled_kernel` once it is
-built, and everything else the launcher directly.
+:func:`~ropelib.kernels.torch_kernel.rotate_half_few` (four list operations), everything else the
+launcher directly. On the CPU the ``"torch"`` launcher runs the compiled loop of
+:mod:`~ropelib.kernels.native_kernel` once it is built (one pass, in place or not, either layout),
+behind the operators too, so training and compiled graphs use it as well.
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ from .._validation import (
     check_qk,
 )
 from ..layouts import LAYOUTS
-from ..packing import check_cu_seqlens
-from . import compiled_kernel
+from ..packing import check_cu_seqlens, positions_in_documents
+from . import native_kernel
 from .torch_kernel import few_elements, rotate_half_few, rotate_qk_torch, wide_rows
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
@@ -75,11 +76,16 @@ def _launch_torch(
     conjugate: bool,
     cu_seqlens: torch.Tensor | None = None,
 ) -> None:
-    """:func:`~ropelib.kernels.torch_kernel.rotate_qk_torch`, with odd strides (an odd ``head_dim``) handled.
+    """The CPU's compiled loop (:mod:`~ropelib.kernels.native_kernel`) when it is built and fits, else
+    :func:`~ropelib.kernels.torch_kernel.rotate_qk_torch`, with odd strides (an odd ``head_dim``) handled.
 
     The interleaved layout views pairs as complex numbers, which needs even strides; otherwise the
     rotated features are copied to a contiguous buffer, rotated there and copied back.
     """
+    if q.device.type == "cpu":
+        rows = positions if cu_seqlens is None else positions_in_documents(cu_seqlens, q.shape[1])[None]
+        if native_kernel.rotate_qk(q, k, q_out, k_out, cos, sin, rows, interleaved=interleaved, conjugate=conjugate):
+            return
     if not interleaved or all(_complex_viewable(t) for t in (q, k, q_out, k_out)):
         rotate_qk_torch(
             q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
@@ -266,11 +272,6 @@ def rotate_qk(
                 torch._foreach_copy_([q, k], [q_out, k_out])
                 return q, k
             return q_out, k_out
-        if not inplace and kernel == "torch" and _compiled_fits(q, k, cos, interleaved, conjugate, cu_seqlens):
-            compiled = compiled_kernel.ready(q, k, cos)
-            result = None if compiled is None else compiled(q, k, cos, sin, positions.contiguous())
-            if result is not None:
-                return result
         if inplace:
             q_out, k_out = q, k
         else:
@@ -286,20 +287,6 @@ def rotate_qk(
         _rotary_qk_inplace_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
         return q, k
     return _rotary_qk_op(q, k, cos, sin, positions, interleaved, conjugate, kernel, cu_seqlens)
-
-
-def _compiled_fits(
-    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, interleaved: bool, conjugate: bool, cu_seqlens: object
-) -> bool:
-    """True for a call :mod:`~ropelib.kernels.compiled_kernel` may serve: float32 "half" on the CPU, plain positions."""
-    return (
-        not interleaved
-        and not conjugate
-        and cu_seqlens is None
-        and q.device.type == "cpu"
-        and q.dtype == torch.float32
-        and cos.dtype == torch.float32
-    )
 
 
 def rotate_by_token_tables(
