@@ -43,8 +43,9 @@ from ._validation import (
 )
 from .config import rope_config
 from .frequencies import angle_tables, ntk_rescaled_theta, pixel_inverse_frequencies
+from .kernels import native_kernel
 from .kernels.ops import BACKENDS, choose_kernel, kernel_for, no_offsets, offset_positions, rotate_qk
-from .kernels.torch_kernel import few_elements, rotate_half_few, split_wide, wide_table
+from .kernels.torch_kernel import few_elements, split_wide, wide_table
 from .layouts import LAYOUTS
 from .packing import check_cu_seqlens, positions_in_documents
 from .reference import rotate
@@ -480,7 +481,7 @@ class RotaryEmbedding(nn.Module):
         if self._few_path(q, k, kernel):
             wide = self._wide_rows(positions, seq, q.device, bounds)
             if wide is not None:
-                return rotate_half_few(q, k, *wide)
+                return native_kernel.rotate_few(q, k, *wide)
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin, rows = self.tables_for(positions, seq, q.device, compute, bounds)
         if q.dtype == torch.float64 or self._differentiable_tables():  # plain differentiable operations

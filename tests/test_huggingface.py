@@ -124,9 +124,11 @@ def assert_logits_close(expected: torch.Tensor, got: torch.Tensor, mask: torch.T
     assert diff <= LOGIT_ATOL, f"max |logit difference| = {diff:.3g} > {LOGIT_ATOL}"
 
 
-def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, *names: str) -> list[int]:
-    """Count the calls of ``owner``'s functions ``names`` (all together) while the test runs."""
-    calls = [0]
+def count_calls(
+    monkeypatch: pytest.MonkeyPatch, owner: object, *names: str, calls: list[int] | None = None
+) -> list[int]:
+    """Count the calls of ``owner``'s functions ``names`` (all together, in ``calls`` if given) while the test runs."""
+    calls = [0] if calls is None else calls
     for name in names:
         inner = getattr(owner, name)
 
@@ -140,7 +142,8 @@ def count_calls(monkeypatch: pytest.MonkeyPatch, owner: object, *names: str) -> 
 
 def count_ropelib_rotations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Calls of the patched apply function that ropelib's kernels served (the few-token path included)."""
-    return count_calls(monkeypatch, hf.apply, "rotate_by_token_tables", "rotate_half_few")
+    calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
+    return count_calls(monkeypatch, hf.apply.native_kernel, "rotate_few", calls=calls)
 
 
 # ----------------------------------------------------------------------------- logits

@@ -190,7 +190,7 @@ def test_no_compiler_or_turned_off_never_builds(fresh: native_kernel._Library, m
     monkeypatch.setattr(native_kernel, "compiler", lambda: None)
     assert native_kernel.enabled() is False
     assert_rotated(rotary_qk(q, k, cos, sin, positions, layout="interleaved"), q, k, positions, 16, "interleaved")
-    assert fresh.state is None  # nothing started
+    assert fresh.state is False  # looked at once: nothing started, nothing will be
 
 
 def test_low_precision_stays_on_the_eager_kernel(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -198,3 +198,31 @@ def test_low_precision_stays_on_the_eager_kernel(built: None, monkeypatch: pytes
     q, k, cos, sin, positions = inputs()
     out = rotary_qk(q.bfloat16(), k.bfloat16(), cos, sin, positions)
     assert served == [False] and out[0].dtype == torch.bfloat16
+
+
+@COMPILER
+@pytest.mark.parametrize("hf_layout", [False, True])
+def test_one_position_in_one_call(built: None, hf_layout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # a decoding step: q [1, 1, 32, 128] (or Hugging Face's [1, 32, 1, 128], a transposed view), one
+    # wide row of the tables; the C call is used (the four list operations are not)
+    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 1 << 14)
+    fallback: list[int] = []
+    monkeypatch.setattr(native_kernel, "rotate_half_few", lambda *a: fallback.append(1))
+    q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
+    cos, sin = RotaryEmbedding(128, theta=THETA).cos_sin_cache(1001)
+    rows = torch_kernel.wide_rows(cos, sin, torch.tensor([[1000]]))
+    args = (q.transpose(1, 2), k.transpose(1, 2)) if hf_layout else (q, k)
+    out = native_kernel.rotate_few(*args, *rows)
+    if hf_layout:
+        out = tuple(t.transpose(1, 2) for t in out)
+    assert_rotated(out, q, k, torch.tensor([[1000]]), 128)
+    assert fallback == []
+
+
+@COMPILER
+def test_several_positions_take_the_list_operations(built: None) -> None:
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16)
+    cos, sin = RotaryEmbedding(16, theta=THETA).cos_sin_cache(40)
+    positions = torch.tensor([[3], [39]])
+    rows = torch_kernel.wide_rows(cos, sin, positions)  # [2, 1, 1, 16]: a row per batch entry
+    assert_rotated(native_kernel.rotate_few(q, k, *rows), q, k, positions, 16)

@@ -50,7 +50,7 @@ from .._validation import (
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens, positions_in_documents
 from . import native_kernel
-from .torch_kernel import few_elements, rotate_half_few, rotate_qk_torch, wide_rows
+from .torch_kernel import few_elements, rotate_qk_torch, wide_rows
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: writes the rotation
 #: of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``). ``cos``/``sin`` are contiguous
@@ -267,7 +267,7 @@ def rotate_qk(
     if not needs_grad and not torch.compiler.is_compiling():
         if kernel == "torch" and cu_seqlens is None and few_elements(q, k, 2 * cos.shape[1], cos.dtype, interleaved):
             rows = wide_rows(cos, sin, positions, conjugate=conjugate, position=position)
-            q_out, k_out = rotate_half_few(q, k, *rows)
+            q_out, k_out = native_kernel.rotate_few(q, k, *rows)
             if inplace:
                 torch._foreach_copy_([q, k], [q_out, k_out])
                 return q, k

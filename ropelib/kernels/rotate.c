@@ -108,6 +108,23 @@
     }
 #endif
 
+/* A few tokens at one position (decoding): nq rows of q and nk rows of k, each `dim` contiguous
+ * features, all rotated by one row of the wide tables (Hugging Face's form): cw = cat(c, c) and
+ * sw = cat(-s, s), so that in the "half" layout o[i] = x[i] cw[i] + x[(i + dim/2) % dim] sw[i].
+ * One call for q and k, with few arguments: at this size the cost of a call is its overhead. */
+void ropelib_rotate_rows_f32(const float *xq, float *oq, int64_t nq, const float *xk, float *ok,
+                             int64_t nk, const float *cw, const float *sw, int64_t dim) {
+    const int64_t half = dim / 2;
+    for (int64_t row = 0; row < nq + nk; ++row) {
+        const float *x = row < nq ? xq + row * dim : xk + (row - nq) * dim;
+        float *o = row < nq ? oq + row * dim : ok + (row - nq) * dim;
+        _Pragma("omp simd") for (int64_t i = 0; i < half; ++i) {
+            o[i] = x[i] * cw[i] + x[half + i] * sw[i];
+            o[half + i] = x[half + i] * cw[half + i] + x[i] * sw[half + i];
+        }
+    }
+}
+
 ROTATE(ropelib_rotate_f32, float)
 ROTATE(ropelib_rotate_f64, double)
 PARALLEL(ropelib_rotate_f32_threads, ropelib_rotate_f32, float)

@@ -23,8 +23,9 @@ from typing import Any
 
 import torch
 
+from ...kernels import native_kernel
 from ...kernels.ops import kernel_for, rotate_by_token_tables
-from ...kernels.torch_kernel import LastCall, few_elements, rotate_half_few
+from ...kernels.torch_kernel import LastCall, few_elements
 from .module import HFRotaryEmbedding
 
 #: every HFRotaryEmbedding that patch_hf_rope put into a model and unpatch_hf_rope has not taken out
@@ -71,7 +72,7 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
         and _fits(few[0], q, k, seq_dim=3 - unsqueeze_dim) is not None
         and _few(q, k, few[0], interleaved)
     ):
-        return rotate_half_few(q, k, few[1], few[2])
+        return native_kernel.rotate_few(q, k, few[1], few[2])
     found = _fits(installed_tables(cos), q, k, seq_dim=3 - unsqueeze_dim)
     if found is None:
         return None
@@ -80,7 +81,7 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
         signed_sin = torch.cat((-sin_half, sin_half), -1).unsqueeze(unsqueeze_dim)
         few = (found, cos.unsqueeze(unsqueeze_dim), signed_sin)
         _LAST_FEW.put((cos,), unsqueeze_dim, few)
-        return rotate_half_few(q, k, few[1], few[2])
+        return native_kernel.rotate_few(q, k, few[1], few[2])
     if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
         q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = rotate_by_token_tables(q, k, cos_half, sin_half, interleaved=interleaved, backend=module.backend)
