@@ -97,9 +97,8 @@ def _build() -> None:
             library = _compile(folder)  # loaded: the file may go
         functions = {}
         rows = library.ropelib_rotate_rows_f32
-        rows.argtypes = (
-            [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64] * 2 + [ctypes.c_void_p] * 2 + [ctypes.c_int64]
-        )
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        rows.argtypes = [pointer, pointer, integer, pointer, pointer, integer, pointer, pointer, integer]
         rows.restype = None
         functions["rows"] = rows
         for dtype, name in FUNCTIONS.items():
