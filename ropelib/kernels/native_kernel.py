@@ -39,7 +39,7 @@ from .torch_kernel import rotate_half_few
 
 #: ``ROPELIB_CPU_COMPILE=0`` in the environment turns the compiled path off.
 ENV = "ROPELIB_CPU_COMPILE"
-#: The C source, shipped with the package.
+#: The C source, shipped with the package (it includes ``rotate_loop.h``, next to it).
 SOURCE = Path(__file__).with_name("rotate.c")
 #: Calls with at least this many elements of q and k together are split between threads; smaller
 #: ones run in the caller's thread, where waking the others would cost more than it saves.
@@ -48,7 +48,13 @@ PARALLEL_ELEMENTS = 1 << 18
 #: (``rotate.c``): the faults of fresh memory in runs, and the pages then in the cache.
 TOUCH_BYTES = 512 << 10
 #: The entry points of ``rotate.c``, by dtype.
-FUNCTIONS = {torch.float32: "ropelib_rotate_f32_threads", torch.float64: "ropelib_rotate_f64_threads"}
+FUNCTIONS = {torch.float32: "ropelib_rotate_f32", torch.float64: "ropelib_rotate_f64"}
+#: The order of the sizes, strides (in elements) and flags of a call in ``rotate.c``'s ``struct geometry``.
+GEOMETRY = (
+    "batch", "seq", "heads", "dim", "r2", "length",
+    "x_batch", "x_seq", "x_head", "out_batch", "out_seq", "out_head", "pos_batch", "pos_seq",
+    "interleaved", "conjugate", "touch",
+)  # fmt: skip
 #: Compiler flags, tried in order: OpenMP threads and code tuned for this processor, then without
 #: OpenMP (Apple's clang has none: one thread), then portable.
 FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
@@ -103,9 +109,7 @@ def _build() -> None:
         functions["rows"] = rows
         for dtype, name in FUNCTIONS.items():
             function = getattr(library, name)
-            function.argtypes = (
-                [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 15 + [ctypes.c_int] * 2 + [ctypes.c_int64] * 2
-            )
+            function.argtypes = [pointer] * 5 + [ctypes.POINTER(ctypes.c_int64), integer]  # ..., geometry, threads
             function.restype = ctypes.c_int64
             functions[dtype] = function
     except Exception:  # no usable compiler, an unsupported platform: the eager kernel stays
@@ -155,7 +159,7 @@ def fits(x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, positions: torch
 
 
 def _touch(x: torch.Tensor, out: torch.Tensor) -> int:
-    """Tokens per run of page touching (``rotate.c``): about :data:`TOUCH_BYTES` of a fresh contiguous output, else 0."""
+    """Tokens per run of page touching (``rotate_loop.h``): about :data:`TOUCH_BYTES` of a fresh contiguous output, else 0."""
     if out.data_ptr() == x.data_ptr() or not out.is_contiguous():
         return 0
     return max(1, TOUCH_BYTES // (out.shape[2] * out.shape[3] * out.element_size()))
@@ -185,20 +189,15 @@ def rotate_qk(
         return False
     function = table[q.dtype]
     batch, seq = q.shape[:2]
-    tokens = batch * seq
-    shared = (cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
-    sizes = (cos.shape[-1], cos.shape[0])  # r/2, L
-    calls = [
-        (
-            (x.data_ptr(), out.data_ptr(), *shared, seq, x.shape[2], x.shape[3], *sizes)
-            + (*x.stride()[:3], *out.stride()[:3], *positions.stride()),
-            (int(interleaved), int(conjugate), _touch(x, out)),
-        )
-        for x, out in ((q, q_out), (k, k_out))
-    ]
-
     threads = torch.get_num_threads() if q.numel() + k.numel() >= PARALLEL_ELEMENTS else 1
-    bad = sum(function(*head, 0, tokens, *tail, threads) for head, tail in calls)
+    flags = (int(interleaved), int(conjugate))
+    bad = 0
+    for x, out in ((q, q_out), (k, k_out)):
+        values = (batch, seq, x.shape[2], x.shape[3], cos.shape[1], cos.shape[0], *x.stride()[:3])
+        values += (*out.stride()[:3], *positions.stride(), *flags, _touch(x, out))
+        shape = (ctypes.c_int64 * len(GEOMETRY))(*values)
+        pointers = (x.data_ptr(), out.data_ptr(), cos.data_ptr(), sin.data_ptr(), positions.data_ptr())
+        bad += function(*pointers, shape, threads)
     if bad:
         raise IndexError(
             f"{bad} tokens of q and k (counted per tensor) have positions outside [0, {cos.shape[0]}): "
