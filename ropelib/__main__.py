@@ -6,7 +6,8 @@
     python -m ropelib --check   # also run each one once on a small input against the reference
 
 The ways (:data:`RUN_PATHS`) are the kernels of :data:`ropelib.kernels.KERNELS` (``torch``: PyTorch
-operations, any device; ``triton``: the fused Triton kernel, which on a machine without CUDA runs
+operations, any device, and on a CPU with a C compiler the loop of
+:mod:`ropelib.kernels.native_kernel`; ``triton``: the fused Triton kernel, which on a machine without CUDA runs
 in Triton's interpreter, correct but slow) and ``compile`` (:func:`torch.compile` of the PyTorch
 kernel). This is a tool on top of the library; nothing in the library imports it.
 """
@@ -56,7 +57,16 @@ def _version(module_name: str) -> str | None:
 def _detect(name: str, device: torch.device) -> PathStatus:
     """What can be said without running anything."""
     if name == "torch":
-        return PathStatus(name, True, f"PyTorch {torch.__version__} operations on {device.type}")
+        detail = f"PyTorch {torch.__version__} operations on {device.type}"
+        if device.type == "cpu":
+            native = ropelib.kernels.native_kernel
+            compiler = native.compiler() if native.enabled() else None
+            detail += (
+                f", and the C loop (rotate.c) built with {compiler} at the first call"
+                if compiler
+                else f" only (no C compiler, or {native.ENV}=0: no C loop)"
+            )
+        return PathStatus(name, True, detail)
     if name == "triton":
         triton_version = _version("triton")
         if triton_version is None:
@@ -84,6 +94,9 @@ def _run(name: str, device: torch.device) -> PathStatus:
     k = torch.randn(2, 16, 2, 32, generator=generator).to(device)
     rope = ropelib.RotaryEmbedding(32)
     cos, sin = rope.cos_sin_cache(16, device)
+    if name == "torch" and device.type == "cpu":  # check the C loop, when there is one, not the fallback
+        ropelib.kernels.native_kernel.functions()
+        ropelib.kernels.native_kernel.wait(120)
     start = time.perf_counter()
     if name == "compile":
         compiled = torch.compile(lambda a, b: rotary_qk(a, b, cos[:16], sin[:16], kernel="torch"), fullgraph=True)

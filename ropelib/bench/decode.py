@@ -9,6 +9,7 @@ at a time against a KV cache, patched with :func:`ropelib.patch_hf_rope` and unp
 
 from __future__ import annotations
 
+import inspect
 import statistics
 from collections.abc import Callable
 from typing import Any
@@ -106,12 +107,14 @@ def model_step_rows(
     from ..integrations.huggingface import patch_hf_rope
 
     plain, patched = tiny_llama(device), patch_hf_rope(tiny_llama(device))
+    # the cache's keyword: ``cache`` in newer transformers, ``past_key_values`` (now deprecated) before
+    cache_key = "cache" if "cache" in inspect.signature(plain.forward).parameters else "past_key_values"
     prompt = torch.arange(prefill, device=device)[None] % 512
     states = {}
     with torch.no_grad():
         for name, model in (("unpatched", plain), ("patched", patched)):
             cache = DynamicCache()
-            out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+            out = model(input_ids=prompt, use_cache=True, **{cache_key: cache})
             states[name] = (model, cache, out.logits[:, -1:].argmax(-1))
 
     def decode(name: str) -> Callable[[], torch.Tensor]:
@@ -121,7 +124,7 @@ def model_step_rows(
             token, tokens = first, []
             for i in range(steps):
                 positions = torch.tensor([[prefill + i]], device=device)
-                logits = model(input_ids=token, past_key_values=cache, position_ids=positions, use_cache=True).logits
+                logits = model(input_ids=token, position_ids=positions, use_cache=True, **{cache_key: cache}).logits
                 token = logits[:, -1:].argmax(-1)
                 tokens.append(token)
             cache.crop(-steps)  # back to the prompt, for the next round

@@ -1,4 +1,4 @@
-"""Fast RoPE: the kernels (a fused Triton kernel for q and k, a memory-frugal PyTorch path) and the operator over them.
+"""Fast RoPE: the kernels (a fused Triton kernel for q and k; on the CPU a compiled C loop, and a memory-frugal PyTorch path) and the operator over them.
 
 :func:`rotary_qk` is the public entry point; :func:`~ropelib.kernels.ops.rotate_qk` is the same
 rotation without argument checks, for modules that validated their input already (as
