@@ -6,7 +6,7 @@ and in place a buffer besides. ``rotate.c`` is the loop itself: for each token a
 both halves of every pair, then writes both, so it reads ``x`` once and writes the output once
 (in place: ``x`` itself), in either layout, at any strides with a unit stride on the features.
 It is compiled by the system's C compiler (``$CC``, else ``cc``, ``gcc`` or ``clang``) into a
-shared library loaded with :mod:`ctypes`; a large call is split by tokens between
+shared library loaded with ``ctypes``; a large call is split by tokens between
 :func:`torch.get_num_threads` OpenMP threads, those of torch's own OpenMP runtime.
 
 Compiling takes a fraction of a second but it is never done on a caller's call: the first call
@@ -15,7 +15,7 @@ build is done, is served by the eager kernel. The paths and their costs:
 
 * **compiled** (a C compiler present, ``ROPELIB_CPU_COMPILE`` not ``0``; float32 or float64 inputs
   in the tables' dtype): one pass, at about the speed of ``clone()`` out of place and of a copy in
-  place; a few microseconds per call for :mod:`ctypes`, tens more when the call is split between
+  place; a few microseconds per call for ``ctypes``, tens more when the call is split between
   threads (:data:`PARALLEL_ELEMENTS`); one background compile per process;
 * **eager** (no compiler, turned off, not yet built, a failed build, other dtypes): the operations of
   :mod:`~ropelib.kernels.torch_kernel`, with the same results to float32 rounding (the compiler may
@@ -55,8 +55,8 @@ GEOMETRY = (
     "x_batch", "x_seq", "x_head", "out_batch", "out_seq", "out_head", "pos_batch", "pos_seq",
     "interleaved", "conjugate", "touch",
 )  # fmt: skip
-#: Compiler flags, tried in order: OpenMP threads and code tuned for this processor, then without
-#: OpenMP (Apple's clang has none: one thread), then portable.
+#: The compiler flags to try, in order. First OpenMP threads and code tuned for this processor,
+#: then without OpenMP (Apple's clang has none, so one thread), then portable code.
 FLAGS = (("-O3", "-march=native", "-fopenmp"), ("-O3", "-march=native"), ("-O3",))
 
 
