@@ -496,7 +496,7 @@ class RotaryEmbedding(nn.Module):
         )
 
     def _few_path(self, q: torch.Tensor, k: torch.Tensor, kernel: str) -> bool:
-        """True for a call that :func:`~ropelib.kernels.torch_kernel.rotate_half_few` serves: a few float32 tokens
+        """True for a call that :func:`~ropelib.kernels.native_kernel.rotate_few` serves: a few float32 tokens
         in eager inference, the PyTorch kernel, the "half" layout, every feature rotated, fixed frequencies."""
         return (
             kernel == "torch"

@@ -226,3 +226,16 @@ def test_several_positions_take_the_list_operations(built: None) -> None:
     positions = torch.tensor([[3], [39]])
     rows = torch_kernel.wide_rows(cos, sin, positions)  # [2, 1, 1, 16]: a row per batch entry
     assert_rotated(native_kernel.rotate_few(q, k, *rows), q, k, positions, 16)
+
+
+@COMPILER
+def test_one_position_under_compile_traces_the_list_operations(built: None) -> None:
+    # the C call is invisible to a graph: compiled, the same function traces the four list
+    # operations, with no graph break, and gives the eager result within float32 rounding
+    q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
+    cos, sin = RotaryEmbedding(128, theta=THETA).cos_sin_cache(1001)
+    rows = torch_kernel.wide_rows(cos, sin, torch.tensor([[1000]]))
+    explained = torch._dynamo.explain(native_kernel.rotate_few)(q, k, *rows)
+    assert explained.graph_break_count == 0
+    compiled = torch.compile(native_kernel.rotate_few, fullgraph=True)(q, k, *rows)
+    assert_rotated(compiled, q, k, torch.tensor([[1000]]), 128)

@@ -212,8 +212,11 @@ def rotate_few(
     """:func:`~ropelib.kernels.torch_kernel.rotate_half_few` (same arguments, same result to float32
     rounding), in one call of ``rotate.c`` when the library is built and the call is one position's:
     float32 contiguous ``q``/``k`` on the CPU and one wide row each of ``cos`` and ``signed_sin``
-    (``[r]``, ``r = head_dim``). About a third of the four list operations' cost at a decode shape.
+    (``[r]``, ``r = head_dim``), in eager mode. About a third of the four list operations' cost at a
+    decode shape. Under :func:`torch.compile` the list operations are traced instead.
     """
+    if torch.compiler.is_compiling():  # traced: the list operations are what a graph can hold
+        return rotate_half_few(q, k, cos, signed_sin)
     table = _LIBRARY.state
     dim = q.shape[-1]
     if (

@@ -101,7 +101,7 @@ def _few_tables(cos: object, unsqueeze_dim: int) -> tuple[Tables, torch.Tensor, 
 
 
 def _few(q: torch.Tensor, k: torch.Tensor, found: Tables, interleaved: bool) -> bool:
-    """True when :func:`~ropelib.kernels.torch_kernel.rotate_half_few` serves the call (see its conditions)."""
+    """True when :func:`~ropelib.kernels.native_kernel.rotate_few` serves the call (see its conditions)."""
     module, cos_half, _ = found
     return (
         kernel_for(module.backend, q.device) == "torch"
