@@ -239,3 +239,12 @@ def test_one_position_under_compile_traces_the_list_operations(built: None) -> N
     assert explained.graph_break_count == 0
     compiled = torch.compile(native_kernel.rotate_few, fullgraph=True)(q, k, *rows)
     assert_rotated(compiled, q, k, torch.tensor([[1000]]), 128)
+
+
+@COMPILER
+def test_tables_it_cannot_read_row_by_row_are_left_to_eager(built: None) -> None:
+    q, k, cos, sin, positions = inputs()
+    strided = torch.cat((cos, cos), -1)[:, ::2]  # a view of every other column: not contiguous
+    outs = (torch.empty_like(q), torch.empty_like(k))
+    assert not native_kernel.rotate_qk(q, k, *outs, strided, sin, positions, interleaved=False, conjugate=False)
+    assert not native_kernel.rotate_qk(q, k, *outs, cos, sin[:, :4], positions, interleaved=False, conjugate=False)

@@ -181,11 +181,13 @@ def rotate_qk(
 
     Same contract as :func:`~ropelib.kernels.torch_kernel.rotate_qk_torch`: ``q`` ``[B, S, Hq, D]``,
     ``k`` ``[B, S, Hk, D]``, contiguous ``[L, r/2]`` tables, int64 ``positions`` ``[B, S]`` in
-    ``[0, L)``. False (nothing written) when the library is not built yet or a tensor does not
-    :func:`fits`; then the caller uses the eager kernel.
+    ``[0, L)``. False (nothing written) when the library is not built yet, a tensor does not
+    :func:`fits` or the tables are not contiguous tables of one shape and dtype; then the caller
+    uses the eager kernel.
     """
     table = functions()
-    if table is None or not (fits(q, q_out, cos, positions) and fits(k, k_out, cos, positions)):
+    tables_fit = cos.is_contiguous() and sin.is_contiguous() and sin.shape == cos.shape and sin.dtype == cos.dtype
+    if table is None or not (tables_fit and fits(q, q_out, cos, positions) and fits(k, k_out, cos, positions)):
         return False
     function = table[q.dtype]
     batch, seq = q.shape[:2]

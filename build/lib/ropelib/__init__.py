@@ -1,0 +1,93 @@
+"""ropelib: position encodings for PyTorch, from sinusoids to RoPE.
+
+Tensors follow ``[batch, seq, heads, head_dim]``. See the book for the mathematics.
+"""
+
+from ._device import default_device, device_name
+from .attention.linear import LinearAttention, elu_feature_map, linear_attention, linear_attention_weights
+from .attention.mha import POSITION_ENCODINGS, MultiHeadAttention
+from .complex_rope import apply_rotary_emb, precompute_pos_cis
+from .config import rope_config
+from .distributed import context_parallel_attention, shard_positions, shard_sequence, unshard_sequence
+from .encodings.absolute import (
+    LearnedPositionalEmbedding,
+    SinusoidalPositionalEncoding,
+    sinusoidal_encoding,
+    sinusoidal_shift_matrix,
+)
+from .encodings.relative import (
+    ShawRelativePosition,
+    T5RelativeBias,
+    alibi_bias,
+    alibi_slopes,
+    relative_positions,
+    t5_relative_bucket,
+)
+from .encodings.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
+from .frequencies import cos_sin_table, relative_decay_bound
+from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope
+from .kernels import BACKENDS, KERNELS, choose_kernel, rotary_qk
+from .layouts import LAYOUTS, convert_rotary_layout, layout_permutation, rotate_half
+from .mrope import MRotaryEmbedding, mrope_axes, mrope_positions
+from .packing import packed_positions
+from .reference import apply_rotary
+from .rotary import RotaryEmbedding
+from .scaling import ROPE_SCALINGS, register_scaling, rope_frequencies, scaled_inverse_frequencies
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "AxialRotaryEmbedding",
+    "BACKENDS",
+    "HFRotaryEmbedding",
+    "KERNELS",
+    "LAYOUTS",
+    "LearnedPositionalEmbedding",
+    "LinearAttention",
+    "MRotaryEmbedding",
+    "MultiHeadAttention",
+    "POSITION_ENCODINGS",
+    "ROPE_SCALINGS",
+    "RotaryEmbedding",
+    "ShawRelativePosition",
+    "SinusoidalPositionalEncoding",
+    "T5RelativeBias",
+    "XPos",
+    "alibi_bias",
+    "alibi_slopes",
+    "apply_rotary",
+    "apply_rotary_emb",
+    "axial_positions",
+    "choose_kernel",
+    "context_parallel_attention",
+    "convert_rotary_layout",
+    "cos_sin_table",
+    "relative_decay_bound",
+    "default_device",
+    "device_name",
+    "elu_feature_map",
+    "layout_permutation",
+    "linear_attention",
+    "linear_attention_weights",
+    "mrope_axes",
+    "mrope_positions",
+    "packed_positions",
+    "patch_hf_rope",
+    "precompute_pos_cis",
+    "register_scaling",
+    "relative_positions",
+    "rope_config",
+    "rope_frequencies",
+    "rotary_qk",
+    "rotate_half",
+    "scaled_inverse_frequencies",
+    "shard_positions",
+    "shard_sequence",
+    "sinusoidal_encoding",
+    "sinusoidal_shift_matrix",
+    "t5_relative_bucket",
+    "unpatch_hf_rope",
+    "unshard_sequence",
+    "use_ropelib_rope",
+    "xpos_decay_rates",
+]

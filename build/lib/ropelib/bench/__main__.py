@@ -1,0 +1,5 @@
+"""``python -m ropelib.bench``."""
+
+from .cli import main
+
+main()

@@ -1,0 +1,126 @@
+"""Reading a model's ``config.json`` (Hugging Face keys) into :class:`~ropelib.RotaryEmbedding` arguments."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from ._validation import check_int, check_positive_float
+from .frequencies import rotary_dim_for
+from .scaling import ROPE_SCALINGS, rope_type_of, scaled_inverse_frequencies, validate_scaling
+
+_CONFIG_ONLY_KEYS = ("rope_theta", "partial_rotary_factor")
+
+
+def _config_value(config: Mapping[str, Any], params: Mapping[str, Any], key: str) -> Any:
+    """``key`` from the config's top level or from ``rope_parameters``; the two must agree when both are set."""
+    top, inner = config.get(key), params.get(key)
+    if top is not None and inner is not None and top != inner:
+        raise ValueError(f"config[{key!r}]={top} disagrees with the rope parameters' {key}={inner}")
+    return top if top is not None else inner
+
+
+def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -> dict[str, Any]:
+    """The :class:`~ropelib.rotary.RotaryEmbedding` arguments of a model's ``config.json`` dict.
+
+    Reads the keys Hugging Face configs use: ``head_dim`` (else ``hidden_size //
+    num_attention_heads``), ``rope_theta`` (default 10000), ``partial_rotary_factor`` (default 1),
+    ``max_position_embeddings``, ``original_max_position_embeddings`` (top level, as in Phi-3), and
+    the scaling from ``rope_parameters`` (newer configs, which may also hold ``rope_theta`` and
+    ``partial_rotary_factor``) or ``rope_scaling`` (older ones). A per-layer-type
+    ``rope_parameters`` (one dict per attention kind) is rejected: pass one layer type's dict.
+
+    ``ignore_keys`` names model-specific keys of the rope parameters that are not RoPE scaling
+    (Qwen2-VL's ``mrope_section``, say): they are dropped, as ``transformers``' ``ignore_keys`` lets them through.
+
+    Returns:
+        A dict with ``head_dim``, ``theta``, ``rotary_dim``, ``scaling`` (None for plain RoPE) and
+        ``max_position_embeddings``.
+
+    Example:
+        >>> llama31 = {
+        ...     "hidden_size": 4096,
+        ...     "num_attention_heads": 32,
+        ...     "rope_theta": 500000.0,
+        ...     "max_position_embeddings": 131072,
+        ...     "rope_scaling": {
+        ...         "rope_type": "llama3",
+        ...         "factor": 8.0,
+        ...         "low_freq_factor": 1.0,
+        ...         "high_freq_factor": 4.0,
+        ...         "original_max_position_embeddings": 8192,
+        ...     },
+        ... }
+        >>> rope_config(llama31)["rotary_dim"]
+        128
+    """
+    if not isinstance(config, Mapping):
+        raise TypeError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")
+    params, legacy = config.get("rope_parameters"), config.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, Mapping):
+            raise TypeError(f"config[{name!r}] must be a dict or null, got {type(value).__name__}")
+    if params and legacy and {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS} != dict(legacy):
+        raise ValueError("config has both 'rope_parameters' and 'rope_scaling' and they differ; keep one")
+    params = dict(params or legacy or {})
+    nested = [key for key, value in params.items() if isinstance(value, Mapping)]
+    if nested:
+        raise ValueError(
+            f"config['rope_parameters'] holds one dict per layer type {nested}; build one RotaryEmbedding per "
+            "layer type from a config whose rope_parameters is that layer type's dict"
+        )
+    if config.get("head_dim") is not None:
+        head_dim = check_int(config["head_dim"], "config['head_dim']", minimum=2)
+    else:
+        for key in ("hidden_size", "num_attention_heads"):
+            if config.get(key) is None:
+                raise ValueError(
+                    f"config needs 'head_dim' or both 'hidden_size' and 'num_attention_heads'; {key!r} is missing"
+                )
+        hidden = check_int(config["hidden_size"], "config['hidden_size']", minimum=1)
+        heads = check_int(config["num_attention_heads"], "config['num_attention_heads']", minimum=1)
+        if hidden % heads:
+            raise ValueError(
+                f"config['hidden_size']={hidden} is not divisible by config['num_attention_heads']={heads}"
+            )
+        head_dim = hidden // heads
+    theta = _config_value(config, params, "rope_theta")
+    theta = 10000.0 if theta is None else check_positive_float(theta, "config['rope_theta']")
+    partial = _config_value(config, params, "partial_rotary_factor")
+    rotary_dim = rotary_dim_for(head_dim, 1.0 if partial is None else partial)
+    max_positions = config.get("max_position_embeddings")
+    if max_positions is not None:
+        max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
+    if isinstance(ignore_keys, str) or not all(isinstance(key, str) for key in ignore_keys):
+        raise TypeError(f"ignore_keys must be an iterable of str, got {ignore_keys!r}")
+    dropped = set(_CONFIG_ONLY_KEYS) | set(ignore_keys)
+    scaling = {k: v for k, v in params.items() if k not in dropped}
+    if scaling and "rope_type" not in scaling and "type" not in scaling:
+        scaling["rope_type"] = "default"
+    if "type" in scaling and "rope_type" in scaling:
+        rope_type_of(scaling)  # they must agree
+        del scaling["type"]
+    rope_type = rope_type_of(scaling) if scaling else "default"
+    entry = ROPE_SCALINGS[rope_type]
+    reads_original = "original_max_position_embeddings" in entry.required | entry.optional
+    if config.get("original_max_position_embeddings") is not None and reads_original:
+        top = check_int(
+            config["original_max_position_embeddings"], "config['original_max_position_embeddings']", minimum=1
+        )
+        if scaling.get("original_max_position_embeddings", top) != top:
+            raise ValueError(
+                f"config['original_max_position_embeddings']={top} disagrees with the scaling's "
+                f"{scaling['original_max_position_embeddings']}"
+            )
+        scaling["original_max_position_embeddings"] = top
+    if rope_type == "default":
+        validate_scaling(scaling or {"rope_type": "default"})
+    else:
+        scaled_inverse_frequencies(rotary_dim, theta, scaling, max_position_embeddings=max_positions)  # validates now
+    return {
+        "head_dim": head_dim,
+        "theta": theta,
+        "rotary_dim": rotary_dim,
+        "scaling": None if rope_type == "default" else scaling,
+        "max_position_embeddings": max_positions,
+    }

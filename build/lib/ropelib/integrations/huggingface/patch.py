@@ -1,0 +1,248 @@
+r"""Make a Hugging Face ``transformers`` model compute its RoPE with ropelib: the public API.
+
+Models of a known family (:mod:`~ropelib.integrations.huggingface.families`) do RoPE in two places:
+
+1. one rotary module per model, called once per forward pass, turns ``position_ids``
+   (``[batch, seq]``; ``[3, batch, seq]`` for M-RoPE) into tables such as ``cos, sin`` of shape
+   ``[batch, seq, r]`` (once per layer type for Gemma 3);
+2. a function of the modeling module (``apply_rotary_pos_emb(q, k, cos, sin)`` and kin, see
+   :data:`~ropelib.integrations.huggingface.apply.SIGNATURES`), called by every attention layer
+   that uses RoPE on ``q, k`` of shape ``[batch, heads, seq, head_dim]``.
+
+:func:`~ropelib.patch_hf_rope` swaps each (1) for an :class:`~ropelib.HFRotaryEmbedding`, which builds the
+tables with ropelib from the model's config, and wraps each (2) so that tables made by ropelib
+are applied by ropelib's kernels (:class:`~ropelib.integrations.huggingface.apply.RopelibApply`).
+The wrapper recognises ropelib's tables by identity and hands every other call to the original
+function untouched, so an unpatched model in the same process computes exactly what it did before.
+
+This package never imports ``transformers``: it reads the model's modules and config only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from types import ModuleType
+from typing import TypeVar
+
+from torch import nn
+
+from ..._validation import check_choice
+from ...kernels.ops import BACKENDS
+from .apply import INSTALLED, RopelibApply
+from .families import FAMILIES, Family, family_of
+from .module import HFRotaryEmbedding, config_dict
+from .probes import probe_apply, probe_tables
+
+ModelT = TypeVar("ModelT", bound=nn.Module)
+
+# modeling module name -> the wrapper installed there
+_WRAPPED: dict[str, RopelibApply] = {}
+
+
+def _modeling_modules(model: nn.Module, family: Family) -> list[ModuleType]:
+    """The Python modules of ``model``'s classes that define the family's apply function."""
+    found: dict[str, ModuleType] = {}
+    for module in model.modules():
+        name = type(module).__module__
+        py_module = sys.modules.get(name)
+        if py_module is not None and callable(getattr(py_module, family.apply_name, None)):
+            found[name] = py_module
+    return list(found.values())
+
+
+def _targets(model: nn.Module) -> list[tuple[str, nn.Module, Family]]:
+    """The rotary modules of ``model`` that a known family takes, by name, with their family."""
+    found = []
+    for name, module in model.named_modules():
+        if isinstance(module, HFRotaryEmbedding):
+            continue
+        family = family_of(module)
+        if family is not None:
+            found.append((name, module, family))
+    return found
+
+
+def _config_of(model: nn.Module, name: str, module: nn.Module) -> object:
+    """The rotary module's own ``config``, else that of its nearest parent (GPT-J's module has none)."""
+    config = getattr(module, "config", None)
+    parts = name.split(".")
+    while config is None and parts:
+        parts.pop()
+        config = getattr(model.get_submodule(".".join(parts)), "config", None)
+    if config is None:
+        raise ValueError(f"model's {name} has no config (nor has any module above it) to read its RoPE from")
+    return config
+
+
+def _replacement(model: nn.Module, name: str, original: nn.Module, family: Family, backend: str) -> HFRotaryEmbedding:
+    """The :class:`HFRotaryEmbedding` for ``original``, built from the config as the family's row says."""
+    config = _config_of(model, name, original)
+    mrope_section = None
+    if family.mrope is not None:
+        mrope_section = getattr(original, "mrope_section", None)
+        if mrope_section is None:
+            raise ValueError(f"model's {name} has no mrope_section attribute to split the frequency pairs by")
+    return HFRotaryEmbedding(
+        config,
+        backend=backend,
+        original=original,
+        output=family.output,
+        rope_options=family.options(config_dict(config)),
+        mrope_section=mrope_section,
+        mrope_interleaved=family.mrope == "interleaved",
+    )
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, attr, module)
+
+
+def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
+    r"""Make a ``transformers`` model of a known family compute RoPE with ropelib; returns ``model``.
+
+    Replaces every rotary module of ``model`` by an :class:`HFRotaryEmbedding` built from the same
+    config, and wraps the apply function of the model's modeling module(s) so that ropelib applies
+    ropelib's tables. For the Llama template the rotation is RoFormer's (Su et al., 2021,
+    section 3.4.2) in the ``"half"`` layout of GPT-NeoX and ``transformers``:
+
+    .. math::
+
+        x' = x \odot \cos(p\,f) + \mathrm{rotate\_half}(x) \odot \sin(p\,f),
+
+    with the frequencies ``f`` of the config's ``rope_type`` (any entry of
+    :data:`~ropelib.scaling.registry.ROPE_SCALINGS`). The other rows of
+    :data:`~ropelib.integrations.huggingface.families.FAMILIES` rotate adjacent pairs,
+    ``(x_{2i}, x_{2i+1}) -> (x_{2i} c_i - x_{2i+1} s_i, x_{2i+1} c_i + x_{2i} s_i)`` (GLM, Cohere,
+    GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p f_i}``), take one RoPE setting per layer type
+    (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
+    Qwen3-VL; :mod:`ropelib.mrope`). Weights, buffers and the state dict are unchanged;
+    logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
+    A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
+    bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
+    so the patch also removes that error, which grows with the position.
+
+    Before changing anything it checks, on positions ``0 .. 63``, that ropelib's tables match the
+    model's own and that the model's apply function is the rotation ropelib applies; otherwise it
+    raises :class:`ValueError` and leaves the model as it was. Patching a patched model does nothing.
+
+    Args:
+        model: a ``transformers`` model (e.g. ``LlamaForCausalLM``, ``Qwen2ForCausalLM``,
+            ``GlmForCausalLM``, ``GPTJForCausalLM``, ``Llama4ForCausalLM``, ``Gemma3ForCausalLM``,
+            ``Qwen2VLForConditionalGeneration``) or any module containing one, with real (not meta)
+            tensors. Vision rotary modules (2-D axial RoPE of a vision tower) are left alone.
+        backend: ``"auto"`` (the fused kernel on CUDA where available), ``"torch"`` or ``"triton"``.
+
+    Returns:
+        The same ``model`` object, patched in place.
+
+    Example:
+        >>> from transformers import LlamaConfig, LlamaForCausalLM
+        >>> config = LlamaConfig(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2, vocab_size=50)
+        >>> model = patch_hf_rope(LlamaForCausalLM(config))
+        >>> type(model.model.rotary_emb).__name__
+        'HFRotaryEmbedding'
+        >>> type(unpatch_hf_rope(model).model.rotary_emb).__name__
+        'LlamaRotaryEmbedding'
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    backend = check_choice(backend, "backend", BACKENDS)
+    targets = _targets(model)
+    if not targets:
+        if any(isinstance(m, HFRotaryEmbedding) for m in model.modules()):
+            return model
+        names = ", ".join(family.name for family in FAMILIES)
+        raise ValueError(
+            f"model has no rotary module of a known family ({names}; a *RotaryEmbedding module with a config "
+            "and inv_freq) to replace"
+        )
+    for name, original, _ in targets:
+        if any(buffer.is_meta for buffer in original.buffers()):
+            raise ValueError(
+                f"model's {name} is on the meta device (no values to compare with); materialise the model "
+                "(e.g. model.to_empty(device=...) and load its weights) before patching"
+            )
+    py_modules: dict[Family, list[ModuleType]] = {}
+    for _, _, family in targets:
+        if family not in py_modules:
+            py_modules[family] = _modeling_modules(model, family)
+            if not py_modules[family]:
+                raise ValueError(
+                    f"model's modeling module has no {family.apply_name} function to route through ropelib"
+                )
+
+    replacements = []
+    for name, original, family in targets:
+        replacement = _replacement(model, name, original, family, backend)
+        device = next(original.buffers()).device  # every family's module has a frequency buffer
+        for tables, _ in probe_tables(original, replacement, device).values():
+            for py_module in py_modules[family]:
+                probe_apply(py_module, family, replacement, tables)
+        replacements.append((name, replacement))
+
+    for name, replacement in replacements:
+        _set_submodule(model, name, replacement)
+        INSTALLED.add(replacement)
+    for family, modules in py_modules.items():
+        for py_module in modules:
+            current = getattr(py_module, family.apply_name)
+            if not isinstance(current, RopelibApply):
+                wrapper = RopelibApply(current, family.signature, family.layout)
+                setattr(py_module, family.apply_name, wrapper)
+                _WRAPPED[f"{py_module.__name__}.{family.apply_name}"] = wrapper
+    return model
+
+
+def unpatch_hf_rope(model: ModelT) -> ModelT:
+    """Undo :func:`~ropelib.patch_hf_rope`: put the original rotary modules back; returns ``model``.
+
+    When no patched model is left in the process, the modeling modules' apply functions are
+    restored too. Unpatching an unpatched model does nothing.
+
+    Example:
+        >>> layer = torch.nn.Linear(2, 2)  # nothing to undo
+        >>> unpatch_hf_rope(layer) is layer
+        True
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    for name, module in list(model.named_modules()):
+        if isinstance(module, HFRotaryEmbedding) and module.original is not None:
+            _set_submodule(model, name, module.original)
+            INSTALLED.discard(module)
+    if not len(INSTALLED):
+        for key, wrapper in list(_WRAPPED.items()):
+            module_name, _, attr = key.rpartition(".")
+            py_module = sys.modules.get(module_name)
+            if py_module is not None and getattr(py_module, attr) is wrapper:
+                setattr(py_module, attr, wrapper.original)
+            del _WRAPPED[key]
+    return model
+
+
+@contextlib.contextmanager
+def use_ropelib_rope(model: ModelT, *, backend: str = "auto") -> Iterator[ModelT]:
+    """Context manager: ``model`` computes RoPE with ropelib inside the block, as before after it.
+
+    Example:
+        >>> from transformers import Qwen2Config, Qwen2ForCausalLM
+        >>> config = Qwen2Config(hidden_size=32, intermediate_size=64,
+        ...     num_hidden_layers=1, num_attention_heads=2,
+        ...     num_key_value_heads=1, vocab_size=50)
+        >>> model = Qwen2ForCausalLM(config)
+        >>> with use_ropelib_rope(model):
+        ...     type(model.model.rotary_emb).__name__
+        'HFRotaryEmbedding'
+        >>> type(model.model.rotary_emb).__name__
+        'Qwen2RotaryEmbedding'
+    """
+    patch_hf_rope(model, backend=backend)
+    try:
+        yield model
+    finally:
+        unpatch_hf_rope(model)

@@ -1,0 +1,5 @@
+"""``python -m ropelib.lab``."""
+
+from .experiment import main
+
+main()
