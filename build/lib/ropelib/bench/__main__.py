@@ -1,5 +1,0 @@
-"""``python -m ropelib.bench``."""
-
-from .cli import main
-
-main()

@@ -1,5 +1,0 @@
-"""``python -m ropelib.lab``."""
-
-from .experiment import main
-
-main()
