@@ -262,8 +262,8 @@ def run_config(
         )
     errors = {}
     with torch.no_grad():
-        for fn, _ in impls.values():  # a first call (on copies: some rotate in place) starts ropelib's
-            fn(q.clone(), k.clone())  # compiled CPU path, if this configuration has one
+        for fn, _ in impls.values():  # a first call (on copies: some rotate in place) starts the build
+            fn(q.clone(), k.clone())  # of ropelib's C loop on a CPU with a compiler
         native_kernel.wait(COMPILE_WAIT_S)  # so that what is checked below is what is timed
         for name, (fn, impl_layout) in impls.items():
             errors[name] = _max_error(fn(q.clone(), k.clone()), refs[impl_layout])
@@ -296,12 +296,13 @@ def run_config(
         calls = {name: functools.partial(step, fn) for name, (fn, _) in impls.items()}
         times = time_interleaved({**roofs, **calls}, device, reps=reps, warmup=warmup, progress=progress)
     fwd_bytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype)
+    mode_bytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
     copy_gbs, clone_gbs = (fwd_bytes / statistics.median(times[name]) / 1e9 for name in ROOFS)
     tol = reference_tolerance(dtype)
     results = []
     for name in (*roofs, *impls):
         median = statistics.median(times[name])
-        nbytes = fwd_bytes if name in roofs else rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
+        nbytes = fwd_bytes if name in roofs else mode_bytes
         gbs = nbytes / median / 1e9
         results.append(
             Result(

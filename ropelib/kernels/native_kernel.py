@@ -219,10 +219,10 @@ def rotate_few(
     """
     if torch.compiler.is_compiling():  # traced: the list operations are what a graph can hold
         return rotate_half_few(q, k, cos, signed_sin)
-    table = _LIBRARY.state
+    table = functions()  # None until built (the first call starts the build)
     dim = q.shape[-1]
     if (
-        isinstance(table, dict)
+        table is not None
         and q.dtype == torch.float32
         and cos.dtype == torch.float32
         and signed_sin.dtype == torch.float32
@@ -247,6 +247,4 @@ def rotate_few(
             dim,
         )
         return q_out, k_out
-    if table is None:
-        functions()  # start the build
     return rotate_half_few(q, k, cos, signed_sin)

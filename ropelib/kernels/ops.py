@@ -23,8 +23,8 @@ backward, so ``inplace=True`` trains too (as flash-attn's does).
 
 In eager mode with no gradient to record (inference) the operators are skipped, since their
 dispatch costs more than the rotation itself at decoding shapes: a few tokens take
-:func:`~ropelib.kernels.torch_kernel.rotate_half_few` (four list operations), everything else the
-launcher directly. On the CPU the ``"torch"`` launcher runs the compiled loop of
+:func:`~ropelib.kernels.native_kernel.rotate_few` (one C call, or four list operations), everything
+else the launcher directly. On the CPU the ``"torch"`` launcher runs the compiled loop of
 :mod:`~ropelib.kernels.native_kernel` once it is built (one pass, in place or not, either layout),
 behind the operators too, so training and compiled graphs use it as well.
 """
@@ -82,10 +82,12 @@ def _launch_torch(
     The interleaved layout views pairs as complex numbers, which needs even strides; otherwise the
     rotated features are copied to a contiguous buffer, rotated there and copied back.
     """
-    if q.device.type == "cpu":
-        rows = positions if cu_seqlens is None else positions_in_documents(cu_seqlens, q.shape[1])[None]
-        if native_kernel.rotate_qk(q, k, q_out, k_out, cos, sin, rows, interleaved=interleaved, conjugate=conjugate):
-            return
+    if cu_seqlens is not None:  # a packed row: the positions within its documents, found once for either path
+        positions, cu_seqlens = positions_in_documents(cu_seqlens, q.shape[1])[None], None
+    if q.device.type == "cpu" and native_kernel.rotate_qk(
+        q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate
+    ):
+        return
     if not interleaved or all(_complex_viewable(t) for t in (q, k, q_out, k_out)):
         rotate_qk_torch(
             q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate, cu_seqlens=cu_seqlens
