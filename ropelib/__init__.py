@@ -23,24 +23,34 @@ from .encodings.relative import (
     relative_positions,
     t5_relative_bucket,
 )
-from .encodings.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
 from .frequencies import cos_sin_table, relative_decay_bound
 from .integrations.huggingface import HFRotaryEmbedding, patch_hf_rope, unpatch_hf_rope, use_ropelib_rope
-from .kernels import BACKENDS, KERNELS, choose_kernel, rotary_qk
+from .kernels import KERNEL_CHOICES, KERNELS, choose_kernel, rotary_qk
 from .layouts import LAYOUTS, convert_rotary_layout, layout_permutation, rotate_half
-from .mrope import MRotaryEmbedding, mrope_axes, mrope_positions
 from .packing import packed_positions
 from .reference import apply_rotary
-from .rotary import RotaryEmbedding
+from .rotary import (
+    AxialRotaryEmbedding,
+    MRotaryEmbedding,
+    RopeSpec,
+    RotaryEmbedding,
+    Rotation,
+    TableCache,
+    XPos,
+    axial_positions,
+    mrope_axes,
+    mrope_positions,
+    xpos_decay_rates,
+)
 from .scaling import ROPE_SCALINGS, register_scaling, rope_frequencies, scaled_inverse_frequencies
 
 __version__ = "0.1.0"
 
 __all__ = [
     "AxialRotaryEmbedding",
-    "BACKENDS",
     "HFRotaryEmbedding",
     "KERNELS",
+    "KERNEL_CHOICES",
     "LAYOUTS",
     "LearnedPositionalEmbedding",
     "LinearAttention",
@@ -48,10 +58,13 @@ __all__ = [
     "MultiHeadAttention",
     "POSITION_ENCODINGS",
     "ROPE_SCALINGS",
+    "RopeSpec",
     "RotaryEmbedding",
+    "Rotation",
     "ShawRelativePosition",
     "SinusoidalPositionalEncoding",
     "T5RelativeBias",
+    "TableCache",
     "XPos",
     "alibi_bias",
     "alibi_slopes",

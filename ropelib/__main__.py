@@ -6,10 +6,10 @@
     python -m ropelib --check   # also run each one once on a small input against the reference
 
 The ways (:data:`RUN_PATHS`) are the kernels of :data:`ropelib.kernels.KERNELS` (``torch``: PyTorch
-operations, any device, and on a CPU with a C compiler the loop of
-:mod:`ropelib.kernels.native_kernel`; ``triton``: the fused Triton kernel, which on a machine without CUDA runs
-in Triton's interpreter, correct but slow) and ``compile`` (:func:`torch.compile` of the PyTorch
-kernel). This is a tool on top of the library; nothing in the library imports it.
+operations, any device; ``native``: the compiled C loop on a CPU, with its cache folder and the
+state of its build; ``triton``: the fused Triton kernel, which on a machine without CUDA runs in
+Triton's interpreter, correct but slow) and ``compile`` (:func:`torch.compile` of the operator).
+This is a tool on top of the library; nothing in the library imports it.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ import torch
 
 import ropelib
 import ropelib.kernels
+from ropelib.kernels import native_build, native_kernel
 
 #: Each kernel, and torch.compile of the PyTorch kernel.
 RUN_PATHS = (*ropelib.kernels.KERNELS, "compile")
@@ -57,16 +58,15 @@ def _version(module_name: str) -> str | None:
 def _detect(name: str, device: torch.device) -> PathStatus:
     """What can be said without running anything."""
     if name == "torch":
-        detail = f"PyTorch {torch.__version__} operations on {device.type}"
-        if device.type == "cpu":
-            native = ropelib.kernels.native_kernel
-            compiler = native.compiler() if native.enabled() else None
-            detail += (
-                f", and the C loop (rotate.c) built with {compiler} at the first call"
-                if compiler
-                else f" only (no C compiler, or {native.ENV}=0: no C loop)"
-            )
-        return PathStatus(name, True, detail)
+        return PathStatus(name, True, f"PyTorch {torch.__version__} operations on {device.type}")
+    if name == "native":
+        if device.type != "cpu":
+            return PathStatus(name, False, f"the C loop runs on the CPU, and the device is {device.type}")
+        if not native_build.enabled():
+            return PathStatus(name, False, f"no C compiler, or {native_build.ENV}=0")
+        return PathStatus(
+            name, True, f"{native_build.compiler()}, cache {native_build.cache_dir()}; {native_kernel.BUILD.status()}"
+        )
     if name == "triton":
         triton_version = _version("triton")
         if triton_version is None:
@@ -94,25 +94,23 @@ def _run(name: str, device: torch.device) -> PathStatus:
     k = torch.randn(2, 16, 2, 32, generator=generator).to(device)
     rope = ropelib.RotaryEmbedding(32)
     cos, sin = rope.cos_sin_cache(16, device)
-    if name == "torch" and device.type == "cpu":  # check the C loop, when there is one, not the fallback
-        ropelib.kernels.native_kernel.functions()
-        ropelib.kernels.native_kernel.wait(120)
     start = time.perf_counter()
     if name == "compile":
-        compiled = torch.compile(lambda a, b: rotary_qk(a, b, cos[:16], sin[:16], kernel="torch"), fullgraph=True)
+        compiled = torch.compile(lambda a, b: rotary_qk(a, b, cos[:16], sin[:16]), fullgraph=True)
         got_q, got_k = compiled(q, k)
     else:
         got_q, got_k = rotary_qk(q, k, cos[:16], sin[:16], kernel=name)
     seconds = time.perf_counter() - start
+    if name == "native":  # the build, or the cache, is part of the first call
+        detail = native_kernel.BUILD.status()
     want_q = ropelib.apply_rotary(q, cos[:16], sin[:16])
     want_k = ropelib.apply_rotary(k, cos[:16], sin[:16])
     # float32 products of values ~3 with cos/sin in [-1, 1]: a few ulps (1e-7 relative) apart at most.
     error = max((got_q - want_q).abs().max().item(), (got_k - want_k).abs().max().item())
     ok = error <= 1e-5
     verdict = "matches" if ok else "DIFFERS from"
-    return PathStatus(
-        name, ok, f"ran in {seconds:.2g} s (first call) and {verdict} the reference (max |diff| {error:.1e})"
-    )
+    ran = f"ran in {seconds:.2g} s (first call) and {verdict} the reference (max |diff| {error:.1e})"
+    return PathStatus(name, ok, f"{ran}; {detail}" if name == "native" else ran)
 
 
 def check_paths(

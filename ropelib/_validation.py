@@ -155,8 +155,21 @@ def check_qk(q: object, k: object, *, head_dim: int | None = None, names: tuple[
 
 
 def values_readable(x: torch.Tensor) -> bool:
-    """True when ``x``'s values can be read without waiting for a device: eager, on the CPU."""
-    return x.device.type == "cpu" and not torch.compiler.is_compiling()
+    """True when ``x``'s values can be read without waiting for a device: eager, on the CPU, a plain tensor.
+
+    False under :func:`torch.compile`, for fake tensors (``make_fx``, export) and for tensors wrapped
+    by :func:`torch.func.vmap` or ``grad``, whose values are not one tensor's.
+    """
+    if torch.compiler.is_compiling():  # first: the checks below are not traced
+        return False
+    return (
+        type(x) in _PLAIN_TENSORS  # not a fake or other tensor subclass
+        and x.device.type == "cpu"
+        and not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    )
+
+
+_PLAIN_TENSORS = (torch.Tensor, torch.nn.Parameter)
 
 
 def check_position_range(
@@ -171,28 +184,30 @@ def check_position_range(
         ``(smallest, largest)`` position when they were read on the host (eager, CPU, not empty),
         so that a caller that needs them (to size a table) does not read them again; else None.
     """
-    if positions.numel() == 0 or positions.device.type == "meta":
+    count = positions.numel()
+    if count == 0 or positions.device.type == "meta":
         return None
     if values_readable(positions):
-        values = positions if positions.dtype == torch.int64 else positions.long()
-        if values.numel() == 1:  # a decoding step: one read, no reduction
-            low = high = int(values.item())
+        if count == 1:  # a decoding step: one read, no reduction
+            low = high = int(positions.item())
         else:
-            low, high = (int(v) for v in torch.aminmax(values))
+            low, high = (
+                int(v) for v in torch.aminmax(positions if positions.dtype == torch.int64 else positions.long())
+            )
         if minimum is not None and low < minimum:
             raise ValueError(f"{name} must be >= {minimum}, got a minimum of {low}")
         if limit is not None and high >= limit:
             raise ValueError(f"{name} must be < {limit} (the table's size), got a maximum of {high}")
         return low, high
-    if minimum is None and limit is None:
-        return None
-    bounds = f">= {minimum}" if limit is None else f"in [{0 if minimum is None else minimum}, {limit})"
-    ok = torch.ones((), dtype=torch.bool, device=positions.device)
-    if minimum is not None:
-        ok = ok & (positions >= minimum).all()
-    if limit is not None:
-        ok = ok & (positions < limit).all()
-    torch._assert_async(ok, f"{name} must be {bounds}")
+    if minimum is None:
+        if limit is None:
+            return None
+        ok, bounds = positions < limit, f"< {limit}"
+    elif limit is None:
+        ok, bounds = positions >= minimum, f">= {minimum}"
+    else:
+        ok, bounds = (positions >= minimum) & (positions < limit), f"in [{minimum}, {limit})"
+    torch._assert_async(ok.all(), f"{name} must be {bounds}")  # queued: no wait, no graph break
     return None
 
 
@@ -204,12 +219,13 @@ def check_positions(
     seq_len: int,
     limit: int | None = None,
     minimum: int | None = 0,
+    expand: bool = True,
 ) -> torch.Tensor:
     """Integer positions of shape ``[seq_len]``, ``[1, seq_len]`` or ``[batch, seq_len]``, in ``[minimum, limit)``.
 
-    Returns the tensor as ``int64`` (``[1, seq_len]`` is broadcast over the batch, as Hugging Face's
-    default ``position_ids``). Floating, boolean and complex tensors are rejected rather than
-    rounded: a position is a token index. Values are checked by :func:`check_position_range`.
+    Returns the tensor as ``int64``; with ``expand``, ``[1, seq_len]`` is broadcast over the batch
+    (as Hugging Face's default ``position_ids``). Floating, boolean and complex tensors are rejected
+    rather than rounded: a position is a token index. Values are checked by :func:`check_position_range`.
     """
     positions = check_integer_tensor(positions, name)
     shape = positions.shape
@@ -225,6 +241,6 @@ def check_positions(
         positions = positions.long()
     if minimum is not None or limit is not None:
         check_position_range(positions, name, minimum=minimum, limit=limit)
-    if len(shape) == 2 and shape[0] == 1 and batch is not None and batch != 1:
+    if expand and len(shape) == 2 and shape[0] == 1 and batch is not None and batch != 1:
         positions = positions.expand(batch, seq_len)
     return positions

@@ -67,15 +67,16 @@ def rotary_dim_for(head_dim: int, partial_rotary_factor: float) -> int:
 
 
 def angle_tables(
-    inv_freq64: torch.Tensor, positions: torch.Tensor, attention_scaling: float, dtype: torch.dtype
+    inv_freq64: torch.Tensor, positions: torch.Tensor, attention_scaling: float | torch.Tensor, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`~ropelib.cos_sin_table` without argument checks: ``inv_freq64`` float64 on ``positions``' device.
 
     ``positions`` may be floating (continuous coordinates): they are converted to float64 first.
+    ``attention_scaling`` may be a float64 0-d tensor (multiplying by 1 changes no bit).
     """
     angles = positions.to(torch.float64)[..., None] * inv_freq64
     cos, sin = angles.cos(), angles.sin()
-    if attention_scaling != 1.0:
+    if isinstance(attention_scaling, torch.Tensor) or attention_scaling != 1.0:
         cos, sin = cos * attention_scaling, sin * attention_scaling
     return cos.to(dtype), sin.to(dtype)
 

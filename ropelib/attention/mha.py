@@ -16,6 +16,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .._validation import check_bool, check_choice, check_float_tensor, check_heads, check_int, check_positions
+from ..rotary import Rotation
 from .plugs import PLUGS
 
 #: The ``position`` argument of :class:`MultiHeadAttention` (the keys of :data:`ropelib.attention.plugs.PLUGS`).
@@ -46,11 +47,24 @@ class MultiHeadAttention(nn.Module):
         bias: whether the projections have a bias.
         **position_options: passed to the encoding: ``base`` (sinusoidal), ``num_buckets`` and
             ``max_distance`` (t5), ``max_relative_position`` and ``values`` (shaw), ``theta``,
-            ``layout``, ``rotary_dim``, ``scaling`` and ``backend`` (rope).
+            ``layout``, ``rotary_dim``, ``scaling``, ``max_position_embeddings`` and ``kernel``
+            (rope), or ``rotary``: a :class:`~ropelib.RotaryEmbedding` to share with the other layers
+            of a model (one table cache for all).
 
     Shapes:
-        ``forward(x, positions=None)``: ``x`` is ``[batch, seq, E]``; ``positions`` integers of shape
-        ``[seq]`` or ``[batch, seq]`` (default ``0 .. seq-1``). Returns ``[batch, seq, E]``.
+        ``forward(x, positions=None, *, rotation=None)``: ``x`` is ``[batch, seq, E]``; ``positions``
+        integers of shape ``[seq]`` or ``[batch, seq]`` (default ``0 .. seq-1``); ``rotation``: the
+        :class:`~ropelib.Rotation` the model made once for all its layers
+        (``rope.rotation(x, positions)``), instead of ``positions``. Returns ``[batch, seq, E]``.
+
+    Example:
+        >>> rope = RotaryEmbedding(16)
+        >>> layers = [MultiHeadAttention(64, 4, "rope", rotary=rope) for _ in range(2)]
+        >>> x = torch.randn(1, 5, 64)
+        >>> rotation = rope.rotation(x)  # once per forward pass, for every layer
+        >>> y = layers[1](layers[0](x, rotation=rotation), rotation=rotation)
+        >>> y.shape, layers[0].encoding is layers[1].encoding
+        (torch.Size([1, 5, 64]), True)
     """
 
     alibi_slopes: torch.Tensor  # set by the ALiBi plug (float64, a plain attribute: .half() must not round it)
@@ -105,14 +119,14 @@ class MultiHeadAttention(nn.Module):
         return positions.to(x.device)
 
     def _project(
-        self, x: torch.Tensor, positions: torch.Tensor | None
+        self, x: torch.Tensor, positions: torch.Tensor | None, rotation: Rotation | None = None
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v as ``[batch, heads, seq, d]`` (k, v with ``num_kv_heads`` heads), encodings applied."""
         x = self.plug.embed(self, x, positions)
         q = split_heads(self.q_proj(x), self.num_heads)
         k = split_heads(self.k_proj(x), self.num_kv_heads)
         v = split_heads(self.v_proj(x), self.num_kv_heads)
-        q, k = self.plug.rotate(self, q, k, positions)
+        q, k = self.plug.rotate(self, q, k, positions, rotation)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     def _check_input(self, x: torch.Tensor) -> torch.Tensor:
@@ -139,10 +153,19 @@ class MultiHeadAttention(nn.Module):
             scores = scores.masked_fill(causal_mask(x.shape[1], x.device), float("-inf"))
         return scores
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor | None = None, *, rotation: Rotation | None = None
+    ) -> torch.Tensor:
         x = self._check_input(x)
-        positions = self._positions(x, positions)
-        q, k, v = self._project(x, positions)
+        if rotation is not None:
+            if self.position != "rope" or positions is not None or not isinstance(rotation, Rotation):
+                raise ValueError(
+                    "rotation= (a Rotation made by the model's RotaryEmbedding) is for position='rope', without positions"
+                )
+            positions = None  # the rotation holds them
+        else:
+            positions = self._positions(x, positions)
+        q, k, v = self._project(x, positions, rotation)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         if not self.plug.adds_bias:

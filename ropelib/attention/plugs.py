@@ -22,7 +22,7 @@ from torch import nn
 
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..encodings.relative import ShawRelativePosition, T5RelativeBias, alibi_bias_from_relative, alibi_slopes
-from ..rotary import RotaryEmbedding
+from ..rotary import RotaryEmbedding, Rotation
 
 
 class AttentionLayer(Protocol):
@@ -64,9 +64,14 @@ class PositionPlug:
 
     @staticmethod
     def rotate(
-        attn: AttentionLayer, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
+        attn: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor | None,
+        rotation: Rotation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``q``, ``k`` ``[batch, seq, heads, d]`` after the encoding (RoPE rotates them)."""
+        """``q``, ``k`` ``[batch, seq, heads, d]`` after the encoding (RoPE rotates them, by ``rotation``
+        when the model made one for all its layers)."""
         return q, k
 
     @staticmethod
@@ -107,17 +112,30 @@ class LearnedPlug(PositionPlug):
 
 
 class RotaryPlug(PositionPlug):
-    options = frozenset({"theta", "layout", "rotary_dim", "scaling", "max_position_embeddings", "backend"})
+    options = frozenset({"theta", "layout", "rotary_dim", "scaling", "max_position_embeddings", "kernel", "rotary"})
 
     @staticmethod
     def build(attn: AttentionLayer, max_positions: int | None, options: dict[str, Any]) -> nn.Module | None:
-        return RotaryEmbedding(attn.head_dim, **options)
+        shared = options.get("rotary")
+        if shared is None:
+            return RotaryEmbedding(attn.head_dim, **options)
+        if len(options) > 1:
+            raise ValueError(f"rotary= shares a RotaryEmbedding: give no other RoPE options, got {sorted(options)}")
+        if not isinstance(shared, RotaryEmbedding) or shared.head_dim != attn.head_dim:
+            raise ValueError(f"rotary must be a RotaryEmbedding of head_dim={attn.head_dim}, got {shared!r}")
+        return shared
 
     @staticmethod
     def rotate(
-        attn: AttentionLayer, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor | None
+        attn: AttentionLayer,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor | None,
+        rotation: Rotation | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        return cast(RotaryEmbedding, attn.encoding).rotate(q, k, positions)
+        if rotation is None:
+            rotation = cast(RotaryEmbedding, attn.encoding).rotation(q, positions)
+        return rotation(q, k)
 
 
 class T5Plug(PositionPlug):

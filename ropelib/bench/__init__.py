@@ -1,7 +1,7 @@
 """The benchmark tool (``python -m ropelib.bench``): never imported by the library.
 
 * :mod:`~ropelib.bench.harness`: interleaved timing;
-* :mod:`~ropelib.bench.rope`: the implementations and one configuration's run, with its copy and clone roofs;
+* :mod:`~ropelib.bench.rope`: the implementations and one configuration's run, with its true roofs;
 * :mod:`~ropelib.bench.decode`: decode-shape calls and a model step with a KV cache;
 * :mod:`~ropelib.bench.bias`: relative-bias attention, materialized against ``flex_attention``;
 * :mod:`~ropelib.bench.cli`: the command line.
@@ -10,28 +10,31 @@
 from .cli import QUICK_SHAPE, build_parser, environment, format_table, main, parse_shape
 from .harness import synchronize, time_interleaved
 from .rope import (
-    CLONE_ROOF,
-    COPY_ROOF,
     CPU_SHAPE,
     DTYPES,
+    FRESH_ROOF,
     GPU_SHAPE,
     IMPL_NAMES,
+    INPLACE_ROOF,
     MODES,
+    PREFILL_SHAPE,
     ROOFS,
     Result,
     implementations,
+    roof_of,
     rope_bytes,
     run_config,
 )
 
 __all__ = [
-    "CLONE_ROOF",
-    "COPY_ROOF",
     "CPU_SHAPE",
     "DTYPES",
+    "FRESH_ROOF",
     "GPU_SHAPE",
     "IMPL_NAMES",
+    "INPLACE_ROOF",
     "MODES",
+    "PREFILL_SHAPE",
     "QUICK_SHAPE",
     "ROOFS",
     "Result",
@@ -41,6 +44,7 @@ __all__ = [
     "implementations",
     "main",
     "parse_shape",
+    "roof_of",
     "rope_bytes",
     "run_config",
     "synchronize",

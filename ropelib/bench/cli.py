@@ -1,9 +1,9 @@
 r"""``python -m ropelib.bench``: RoPE implementations side by side, against this device's memory roofs.
 
 Run ``python -m ropelib.bench --help``. Every argument is checked before any work starts. The
-rows: every implementation at each configuration (:mod:`ropelib.bench.rope`), with the copy roof
-(copy into a preallocated buffer: in place) and the clone roof (a fresh output: out of place)
-timed in the same rounds; a decode-shape row and a patched-vs-unpatched model step
+rows: every implementation at each configuration (:mod:`ropelib.bench.rope`), with its true roof
+(an in-place scale ``x.mul_(c)`` of q and k for in-place rows, a fresh ``torch.mul(x, c)`` for the
+others) timed in the same rounds; a decode-shape row and a patched-vs-unpatched model step
 (:mod:`ropelib.bench.decode`); ``--bias`` for relative-bias attention (:mod:`ropelib.bench.bias`).
 ``--quick`` runs small shapes in under a minute.
 
@@ -31,7 +31,18 @@ import torch
 
 from .._device import device_name
 from ..layouts import LAYOUTS
-from .rope import CLONE_ROOF, COPY_ROOF, CPU_SHAPE, DTYPES, GPU_SHAPE, IMPL_NAMES, MODES, Result, run_config
+from .rope import (
+    CPU_SHAPE,
+    DTYPES,
+    FRESH_ROOF,
+    GPU_SHAPE,
+    IMPL_NAMES,
+    INPLACE_ROOF,
+    MODES,
+    PREFILL_SHAPE,
+    Result,
+    run_config,
+)
 
 QUICK_SHAPE = (1, 256, 8, 8, 64)
 #: Read by the CLI's process at start-up; recorded with every result.
@@ -57,7 +68,10 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ropelib.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
-        "--shapes", type=parse_shape, nargs="+", help="batch,seq,q_heads,kv_heads,head_dim (default: one per device)"
+        "--shapes",
+        type=parse_shape,
+        nargs="+",
+        help="batch,seq,q_heads,kv_heads,head_dim (default: the target and prefill shapes on a CPU, one on a GPU)",
     )
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
@@ -134,8 +148,8 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def format_table(results: Sequence[Result]) -> str:
     """A plain-text table, one block per configuration with its two roofs first, at most 76 characters wide."""
-    lines = ["% copy: of the in-place roof; % clone: of the out-of-place roof (same rounds)"]
-    header = f"{'implementation':<25}{'ms':>9}{'GB/s':>7}{'% copy':>8}{'% clone':>9}{'x ropelib':>10}{'ok':>4}"
+    lines = ["% roof: of x.mul_(c) for in-place rows, of torch.mul(x, c) for the others (same rounds)"]
+    header = f"{'implementation':<25}{'ms':>9}{'GB/s':>8}{'% roof':>8}{'x ropelib':>10}{'ok':>4}"
     last = None
     for r in results:
         key = (tuple(r.shape), r.dtype, r.layout, r.mode)
@@ -144,8 +158,7 @@ def format_table(results: Sequence[Result]) -> str:
             last = key
         ok = "yes" if r.correct else "NO"
         lines.append(
-            f"{r.impl[:24]:<25}{r.median_ms:>9.3f}{r.gbs:>7.2f}{r.pct_copy:>8.1f}{r.pct_clone:>9.1f}"
-            f"{r.ratio_to_ropelib:>10.2f}{ok:>4}"
+            f"{r.impl[:24]:<25}{r.median_ms:>9.3f}{r.gbs:>8.2f}{r.pct_roof:>8.1f}{r.ratio_to_ropelib:>10.2f}{ok:>4}"
         )
     return "\n".join(lines)
 
@@ -158,7 +171,7 @@ def _median_roof(results: Sequence[Result], roof: str) -> float:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print a table; write ``--json`` if asked. Returns the JSON document."""
     args, device = _checked_args(argv)
-    shapes = args.shapes or [GPU_SHAPE if device.type == "cuda" else CPU_SHAPE]
+    shapes = args.shapes or ([GPU_SHAPE] if device.type == "cuda" else [CPU_SHAPE, PREFILL_SHAPE])
     dtypes = [DTYPES[d] for d in (args.dtypes or (["bfloat16"] if device.type == "cuda" else ["float32"]))]
     configs = [(s, d, lay, m) for s in shapes for d in dtypes for lay in args.layouts for m in args.modes]
     from tqdm.auto import tqdm
@@ -187,8 +200,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         print("\nnot timed: " + "; ".join(f"{k} ({v})" for k, v in skipped.items()))
     document: dict[str, Any] = {
         **environment(device),
-        "copy_gbs": _median_roof(results, COPY_ROOF),
-        "clone_gbs": _median_roof(results, CLONE_ROOF),
+        "inplace_roof_gbs": _median_roof(results, INPLACE_ROOF),
+        "fresh_roof_gbs": _median_roof(results, FRESH_ROOF),
         "reps": args.reps,
         "warmup": args.warmup,
         "results": [asdict(r) for r in results],

@@ -8,11 +8,12 @@ round in one process so that a noisy machine slows all of them alike, and report
   excluded; ``time.perf_counter`` on a CPU);
 * the achieved bandwidth, :func:`rope_bytes` divided by the median: the bytes the operation
   cannot avoid moving, the same numerator for every implementation;
-* that bandwidth as a percentage of two roofs timed in the same rounds on the same q and k
-  (:data:`ROOFS`): a copy into preallocated buffers (the in-place roof) and a ``clone()`` (a fresh
-  output, the out-of-place roof, which on a CPU pays the page faults of new memory as an
-  out-of-place rotation does). Both are rows of the result, so the percentages are ratios of
-  times measured side by side.
+* that bandwidth as a percentage of the *true roof* of its kind (:data:`ROOFS`), timed in the same
+  rounds on the same tensors: for an in-place rotation an in-place scale ``x.mul_(c)`` of q and k
+  (one read and one write of each element, as the rotation needs), for an out-of-place one a fresh
+  ``torch.mul(x, c)`` (the same read, write and page faults of a new output). A copy is no roof
+  for an in-place operation: it moves three streams (read, write-allocate, write) where an
+  in-place update moves two.
 
 Each implementation's output is checked against the float64 reference
 (:func:`ropelib.apply_rotary`) before it is timed.
@@ -30,7 +31,7 @@ import torch
 
 from .._validation import check_choice
 from ..complex_rope import apply_rotary_emb
-from ..kernels import native_kernel, rotary_qk
+from ..kernels import rotary_qk
 from ..layouts import rotate_half
 from ..reference import apply_rotary
 from ..rotary import RotaryEmbedding
@@ -39,9 +40,9 @@ from .harness import time_interleaved
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 MODES = ("fwd", "fwd+bwd")
 CPU_SHAPE = (4, 2048, 32, 32, 128)
+#: A prefill of one sequence with grouped key/value heads, whose q and k fit in a CPU's last-level cache.
+PREFILL_SHAPE = (1, 512, 32, 8, 128)
 GPU_SHAPE = (1, 8192, 32, 8, 128)
-#: How long a configuration waits for ropelib's compiled CPU path to be built before it is checked and timed.
-COMPILE_WAIT_S = 300.0
 
 #: Every implementation :func:`implementations` may offer (which ones run depends on the device and installs).
 IMPL_NAMES = (
@@ -57,9 +58,15 @@ IMPL_NAMES = (
 )
 
 Impl = Callable[[torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
-#: The roofs' rows: a copy of q and k into preallocated buffers, and a ``clone()`` of them.
-COPY_ROOF, CLONE_ROOF = "roof: copy into buffer", "roof: clone()"
-ROOFS = (COPY_ROOF, CLONE_ROOF)
+#: The roofs' rows: q and k scaled in place (the roof of an in-place rotation) and into fresh tensors
+#: (the roof of an out-of-place one).
+INPLACE_ROOF, FRESH_ROOF = "roof: x.mul_(c)", "roof: torch.mul(x, c)"
+ROOFS = (INPLACE_ROOF, FRESH_ROOF)
+
+
+def roof_of(impl: str) -> str:
+    """The roof an implementation is measured against: the in-place one for in-place rows."""
+    return INPLACE_ROOF if impl == INPLACE_ROOF or "in place" in impl else FRESH_ROOF
 
 
 def rope_bytes(
@@ -199,8 +206,8 @@ class Result:
     times_ms: list[float]
     bytes: int
     gbs: float
-    pct_copy: float
-    pct_clone: float
+    roof: str
+    pct_roof: float
     max_abs_error: float
     tolerance: float
     correct: bool
@@ -234,8 +241,9 @@ def run_config(
 ) -> tuple[list[Result], dict[str, str]]:
     """Time every implementation and the two :data:`ROOFS` on one configuration; see the module docstring.
 
-    The roofs' rows move q and k once (read and write), the bytes of one forward pass; their
-    ``correct`` says that they reproduce q and k exactly.
+    The roofs' rows move q and k once (read and write), the bytes of one forward pass, and multiply
+    by one (exact). In ``fwd+bwd`` mode a rotation moves twice the bytes and its percentage is of the
+    same roofs (a pass forward and a pass back, each bounded by one roof pass).
     """
     batch, seq, q_heads, kv_heads, head_dim = shape
     gen = torch.Generator(device="cpu").manual_seed(0)
@@ -246,7 +254,7 @@ def run_config(
     impls, skipped = implementations(cos, sin, layout, dtype, device, compile_peer=compile_peer)
     if only is not None:
         impls = {name: v for name, v in impls.items() if name in only or name == "ropelib"}
-    if mode == "fwd+bwd":  # in-place rotation has no autograd
+    if mode == "fwd+bwd":  # the timed q and k are leaves, which no in-place operation may overwrite
         impls.pop("ropelib (in place)", None)
     if progress is not None:
         progress.total += len(impls) * (reps + warmup)
@@ -262,24 +270,19 @@ def run_config(
         )
     errors = {}
     with torch.no_grad():
-        for fn, _ in impls.values():  # a first call (on copies: some rotate in place) starts the build
-            fn(q.clone(), k.clone())  # of ropelib's C loop on a CPU with a compiler
-        native_kernel.wait(COMPILE_WAIT_S)  # so that what is checked below is what is timed
-        for name, (fn, impl_layout) in impls.items():
+        for name, (fn, impl_layout) in impls.items():  # on copies: some rotate in place
             errors[name] = _max_error(fn(q.clone(), k.clone()), refs[impl_layout])
     del refs
-    buffers = (torch.empty_like(q), torch.empty_like(k))
+    own = (q.clone(), k.clone())  # rotated over and over in place, so that the others' q and k stay as they are
+    one = torch.ones((), dtype=dtype, device=device)  # x * 1 reproduces x: the roofs change nothing
     roofs: dict[str, Callable[[], Any]] = {
-        COPY_ROOF: lambda: torch._foreach_copy_(list(buffers), [q, k]),
-        CLONE_ROOF: lambda: (q.clone(), k.clone()),
+        INPLACE_ROOF: lambda: torch._foreach_mul_(list(own), one),
+        FRESH_ROOF: lambda: (torch.mul(q, one), torch.mul(k, one)),
     }
-    roofs[COPY_ROOF]()
-    errors[COPY_ROOF] = max((b - x).abs().max().item() for b, x in zip(buffers, (q, k)))
-    errors[CLONE_ROOF] = 0.0  # clone() reproduces its input by definition
+    errors[INPLACE_ROOF] = errors[FRESH_ROOF] = 0.0  # multiplying by one is exact
     if progress is not None:
         progress.total += len(roofs) * (reps + warmup)
     if mode == "fwd":
-        own = (q.clone(), k.clone())  # rotated over and over in place, so that the others' q and k stay as they are
         calls: dict[str, Callable[[], Any]] = {
             name: functools.partial(fn, *(own if name == "ropelib (in place)" else (q, k)))
             for name, (fn, _) in impls.items()
@@ -297,7 +300,7 @@ def run_config(
         times = time_interleaved({**roofs, **calls}, device, reps=reps, warmup=warmup, progress=progress)
     fwd_bytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype)
     mode_bytes = rope_bytes(batch, seq, q_heads, kv_heads, head_dim, dtype, mode)
-    copy_gbs, clone_gbs = (fwd_bytes / statistics.median(times[name]) / 1e9 for name in ROOFS)
+    roof_gbs = {name: fwd_bytes / statistics.median(times[name]) / 1e9 for name in ROOFS}
     tol = reference_tolerance(dtype)
     results = []
     for name in (*roofs, *impls):
@@ -315,8 +318,8 @@ def run_config(
                 times_ms=[t * 1e3 for t in times[name]],
                 bytes=nbytes,
                 gbs=gbs,
-                pct_copy=100.0 * gbs / copy_gbs,
-                pct_clone=100.0 * gbs / clone_gbs,
+                roof=roof_of(name),
+                pct_roof=100.0 * gbs / roof_gbs[roof_of(name)],
                 max_abs_error=errors[name],
                 tolerance=tol,
                 correct=errors[name] <= tol,

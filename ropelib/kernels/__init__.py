@@ -1,10 +1,18 @@
-"""Fast RoPE: the kernels (a fused Triton kernel for q and k; on the CPU a compiled C loop, and a memory-frugal PyTorch path) and the operator over them.
+"""Fast RoPE: ropelib's operators and the kernels behind them.
 
-:func:`rotary_qk` is the public entry point; :func:`~ropelib.kernels.ops.rotate_qk` is the same
-rotation without argument checks, for modules that validated their input already (as
-:class:`ropelib.RotaryEmbedding` does). :data:`KERNELS` maps each kernel's name to its launcher.
+* :mod:`~ropelib.kernels.door`: :func:`rotary_qk`, the public door (checks once), and the
+  unchecked entries the modules use;
+* :mod:`~ropelib.kernels.aliasing`: whether an in-place rotation may overwrite q and k;
+* :mod:`~ropelib.kernels.operators`: ``ropelib::rotary`` and ``ropelib::rotary_``, with their
+  autograd, fake, version-counter and vmap rules;
+* :mod:`~ropelib.kernels.registry`: the kernels (:data:`KERNELS`) and :func:`choose_kernel`;
+* the kernels: :mod:`~ropelib.kernels.torch_kernel` (PyTorch operations),
+  :mod:`~ropelib.kernels.native_kernel` (a C loop on the CPU, built by
+  :mod:`~ropelib.kernels.native_build`) and :mod:`~ropelib.kernels.triton_kernel`.
 """
 
-from .ops import BACKENDS, KERNELS, choose_kernel, rotary_qk, rotate_qk
+from .door import rotary_qk
+from .native_build import build as build_native_kernel
+from .registry import KERNEL_CHOICES, KERNELS, choose_kernel
 
-__all__ = ["BACKENDS", "KERNELS", "choose_kernel", "rotary_qk", "rotate_qk"]
+__all__ = ["KERNELS", "KERNEL_CHOICES", "build_native_kernel", "choose_kernel", "rotary_qk"]

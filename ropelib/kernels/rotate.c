@@ -1,27 +1,31 @@
-/* The rotation of ropelib.kernels.native_kernel: one pass over x, in
- * place or into out, in either layout.
+/* The native kernel of ropelib (ropelib/kernels/native_kernel.py): one
+ * pass over q and k, in place or into new outputs, either layout.
  *
- * x, out: [B, S, H, D], unit stride on D, the strides given for B, S, H
- * (in elements); cos, sin: contiguous [L, r/2]; pos: int64 [B, S] with
- * the strides given (0 for a broadcast). The first r = 2 r2 features of
- * each head are rotated pair by pair,
+ * q, k and their outputs are [B, S, H, D] with unit stride on D and the
+ * strides given for B, S and H (in elements); k may have no heads. cos
+ * and sin are contiguous [L, r2] tables in the compute type (float for
+ * float16, bfloat16 and float32, double for float64); pos is int64
+ * [B, S] with the strides given (0 for a broadcast). The first r = 2 r2
+ * features of each head are rotated pair by pair,
  *
  *   "half"         (a, b) = (x[i], x[r2 + i])
  *   "interleaved"  (a, b) = (x[2i], x[2i + 1])
  *   (a, b) -> (a c - b s, b c + a s),  c = cos[p, i],  s = sign sin[p, i]
  *
  * with sign = -1 for the inverse rotation (conjugate). Both halves of a
- * pair are read before either is written, so out may be x (in place);
- * out of place, features r..D are copied. The loop is rotate_loop.h,
- * included below for float and for double.
+ * pair are read before either is written, so an output may be its
+ * input; out of place, features r..D are copied.
  *
- * Threads: the tokens are split into runs, one per OpenMP thread. In a
+ * Rounding: each product is rounded, then the sum, in the compute type
+ * (the build passes -ffp-contract=off: no fused multiply-add), and the
+ * result is rounded once to the storage type, to nearest even. That is
+ * exactly what the PyTorch kernel computes, so the two agree bit for
+ * bit. float16 and bfloat16 are converted as PyTorch converts them.
+ *
+ * Threads: the tokens are split into runs, one per OpenMP thread; in a
  * process that has imported torch the library shares torch's OpenMP
- * runtime (the same libgomp.so.1): its threads are torch's own.
- *
- * A token whose position is outside [0, L) is left unwritten and
- * counted, and the count returned (callers check positions first, so
- * it is 0 unless that contract was broken).
+ * runtime. A token whose position is outside [0, L) is left unwritten
+ * and counted, and the count returned (the caller checks first).
  */
 #include <stdint.h>
 #include <string.h>
@@ -29,51 +33,130 @@
 #include <omp.h>
 #endif
 
-/* The sizes, strides and flags of a call: `shape` holds them in this
- * order (ropelib.kernels.native_kernel.GEOMETRY). */
-struct geometry {
-    int64_t batch, seq, heads, dim, r2, length;
-    int64_t xb, xs, xh, ob, os, oh, pb, ps;
-    int64_t interleaved, conjugate, touch;
+/* Bumped whenever struct call changes: Python checks it on loading. */
+#define ROPELIB_ABI 3
+
+/* One call: native_kernel.Call mirrors this field by field. */
+struct call {
+    int64_t abi;
+    void *q, *k, *q_out, *k_out;
+    const void *cos, *sin;
+    const int64_t *pos;
+    int64_t batch, seq, dim, r2, length, q_heads, k_heads;
+    int64_t qb, qs, qh, kb, ks, kh;     /* input strides */
+    int64_t qob, qos, qoh, kob, kos, koh; /* output strides */
+    int64_t pb, ps;                     /* position strides */
+    int64_t interleaved, conjugate;
+    int64_t touch;   /* tokens per run of page touching (0: none) */
+    int64_t threads;
 };
 
-static struct geometry geometry_of(const int64_t *v) {
-    struct geometry g = {v[0],  v[1],  v[2],  v[3],  v[4],  v[5],
-                         v[6],  v[7],  v[8],  v[9],  v[10], v[11],
-                         v[12], v[13], v[14], v[15], v[16]};
-    return g;
+int64_t ropelib_abi(void) { return ROPELIB_ABI; }
+int64_t ropelib_call_size(void) { return (int64_t)sizeof(struct call); }
+
+static inline float bits_to_float(uint32_t u) {
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
 }
 
-#define T float
+static inline uint32_t float_to_bits(float f) {
+    uint32_t u;
+    memcpy(&u, &f, sizeof u);
+    return u;
+}
+
+/* bfloat16 <-> float, as c10::BFloat16 converts (NaN -> 0x7FC0). */
+static inline float bf16_load(uint16_t h) {
+    return bits_to_float((uint32_t)h << 16);
+}
+
+static inline uint16_t bf16_store(float f) {
+    const uint32_t u = float_to_bits(f);
+    const uint32_t even = ((u >> 16) & 1u) + 0x7FFFu;
+    return f != f ? (uint16_t)0x7FC0u : (uint16_t)((u + even) >> 16);
+}
+
+/* float16 <-> float, as c10::Half converts (fp16_ieee_*_fp32_value). */
+static inline float f16_load(uint16_t h) {
+    const uint32_t w = (uint32_t)h << 16, sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const float normal = bits_to_float((two_w >> 4) + (0xE0u << 23)) *
+                         0x1.0p-112f;
+    const float subnormal =
+        bits_to_float((two_w >> 17) | (126u << 23)) - 0.5f;
+    const uint32_t magnitude = two_w < (1u << 27) ? float_to_bits(subnormal)
+                                                  : float_to_bits(normal);
+    return bits_to_float(sign | magnitude);
+}
+
+static inline uint16_t f16_store(float f) {
+    const uint32_t w = float_to_bits(f), shl1_w = w + w;
+    const uint32_t sign = w & 0x80000000u;
+    uint32_t bias = shl1_w & 0xFF000000u;
+    bias = bias < 0x71000000u ? 0x71000000u : bias;
+    const float abs_f = bits_to_float(w & 0x7FFFFFFFu);
+    float base = (abs_f * 0x1.0p+112f) * 0x1.0p-110f;
+    base = bits_to_float((bias >> 1) + 0x07800000u) + base;
+    const uint32_t bits = float_to_bits(base);
+    const uint32_t nonsign = ((bits >> 13) & 0x7C00u) + (bits & 0x0FFFu);
+    return (uint16_t)((sign >> 16) |
+                      (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
+}
+
+/* The loops are specialised per layout and direction by inlining with
+ * constant flags. */
+#if defined(__GNUC__)
+#define ROPELIB_INLINE __attribute__((always_inline))
+#else
+#define ROPELIB_INLINE
+#endif
+
+/* The loop, once per storage type S and compute type C. */
+#define S float
+#define C float
+#define LOAD(v) (v)
+#define STORE(v) (v)
 #define NAME(x) x##_f32
 #include "rotate_loop.h"
-#undef T
+#undef S
+#undef C
+#undef LOAD
+#undef STORE
 #undef NAME
 
-#define T double
+#define S double
+#define C double
+#define LOAD(v) (v)
+#define STORE(v) (v)
 #define NAME(x) x##_f64
 #include "rotate_loop.h"
-#undef T
+#undef S
+#undef C
+#undef LOAD
+#undef STORE
 #undef NAME
 
-/* A few tokens at one position (decoding): nq rows of q and nk rows of
- * k, `dim` contiguous features each, rotated by one row of the wide
- * tables (Hugging Face's form) cw = cat(c, c) and sw = cat(-s, s):
- * o[i] = x[i] cw[i] + x[(i + dim/2) % dim] sw[i], "half" layout. One
- * call for q and k with few arguments: at this size the cost of a call
- * is its overhead. */
-void ropelib_rotate_rows_f32(const float *xq, float *oq, int64_t nq,
-                             const float *xk, float *ok, int64_t nk,
-                             const float *cw, const float *sw,
-                             int64_t dim) {
-    const int64_t half = dim / 2;
-    for (int64_t row = 0; row < nq + nk; ++row) {
-        const float *x = row < nq ? xq + row * dim : xk + (row - nq) * dim;
-        float *o = row < nq ? oq + row * dim : ok + (row - nq) * dim;
-#pragma omp simd
-        for (int64_t i = 0; i < half; ++i) {
-            o[i] = x[i] * cw[i] + x[half + i] * sw[i];
-            o[half + i] = x[half + i] * cw[half + i] + x[i] * sw[half + i];
-        }
-    }
-}
+#define S uint16_t
+#define C float
+#define LOAD(v) bf16_load(v)
+#define STORE(v) bf16_store(v)
+#define NAME(x) x##_bf16
+#include "rotate_loop.h"
+#undef S
+#undef C
+#undef LOAD
+#undef STORE
+#undef NAME
+
+#define S uint16_t
+#define C float
+#define LOAD(v) f16_load(v)
+#define STORE(v) f16_store(v)
+#define NAME(x) x##_f16
+#include "rotate_loop.h"
+#undef S
+#undef C
+#undef LOAD
+#undef STORE
+#undef NAME

@@ -1,85 +1,109 @@
-/* The loop of rotate.c for one element type: rotate.c includes this
- * file once per type, with T (float or double) and NAME(x) (the name
- * of function x for that type) defined. */
+/* The loop of rotate.c for one storage type: rotate.c includes this
+ * file once per type, with S (storage), C (compute), LOAD, STORE and
+ * NAME(x) (the name of function x for that type) defined. */
 
 /* Out of place, into fresh memory: write one byte of every page of
  * the output of tokens [from, to), so that their page faults come
  * together, before the arithmetic, and the rotation then writes pages
  * that are mapped and in the cache. */
-static void NAME(touch_pages)(T *out, int64_t from, int64_t to,
+static void NAME(touch_pages)(S *out, int64_t from, int64_t to,
                               int64_t token_stride) {
     volatile char *page = (volatile char *)(out + from * token_stride);
     volatile char *stop = (volatile char *)(out + to * token_stride);
     for (; page < stop; page += 4096) *page = 0;
 }
 
-/* One head of one token, "half" layout: the pair (x[i], x[r2 + i]). */
-static void NAME(half_row)(const T *x, T *o, const T *c, const T *s,
-                           T sign, int64_t r2) {
+/* One pair, both members: (a, b) -> (a c - b s, b c + a s), or with
+ * sin negated (the inverse rotation) (a c + b s, b c - a s), exactly. */
+#define ROPELIB_PAIR(a, b, c, s, inverse, out_a, out_b)        \
+    do {                                                      \
+        const C ac_ = (a) * (c), bs_ = (b) * (s);             \
+        const C bc_ = (b) * (c), as_ = (a) * (s);             \
+        (out_a) = STORE((inverse) ? ac_ + bs_ : ac_ - bs_);   \
+        (out_b) = STORE((inverse) ? bc_ - as_ : bc_ + as_);   \
+    } while (0)
+
+/* The heads of one token of one tensor (x, o at its head 0), in one
+ * layout and direction: the loop the compiler vectorizes. */
+static inline ROPELIB_INLINE void NAME(heads)(
+    const S *x, S *o, int64_t heads, int64_t x_head, int64_t o_head,
+    const C *c, const C *s, int64_t r2, int64_t dim,
+    const int interleaved, const int inverse) {
+    for (int64_t h = 0; h < heads; ++h) {
+        const S *xr = x + h * x_head;
+        S *orow = o + h * o_head;
+        if (interleaved) {
 #pragma omp simd
-    for (int64_t i = 0; i < r2; ++i) {
-        const T a = x[i], b = x[r2 + i], si = sign * s[i];
-        o[i] = a * c[i] - b * si;
-        o[r2 + i] = b * c[i] + a * si;
+            for (int64_t i = 0; i < r2; ++i) {
+                const C a = LOAD(xr[2 * i]), b = LOAD(xr[2 * i + 1]);
+                ROPELIB_PAIR(a, b, c[i], s[i], inverse, orow[2 * i],
+                             orow[2 * i + 1]);
+            }
+        } else {
+#pragma omp simd
+            for (int64_t i = 0; i < r2; ++i) {
+                const C a = LOAD(xr[i]), b = LOAD(xr[r2 + i]);
+                ROPELIB_PAIR(a, b, c[i], s[i], inverse, orow[i],
+                             orow[r2 + i]);
+            }
+        }
+        if (orow != xr && 2 * r2 < dim) /* out of place: copy the rest */
+            memcpy(orow + 2 * r2, xr + 2 * r2,
+                   (size_t)(dim - 2 * r2) * sizeof(S));
     }
 }
 
-/* One head of one token, "interleaved": the pair (x[2i], x[2i + 1]). */
-static void NAME(interleaved_row)(const T *x, T *o, const T *c,
-                                  const T *s, T sign, int64_t r2) {
-#pragma omp simd
-    for (int64_t i = 0; i < r2; ++i) {
-        const T a = x[2 * i], b = x[2 * i + 1], si = sign * s[i];
-        o[2 * i] = a * c[i] - b * si;
-        o[2 * i + 1] = b * c[i] + a * si;
-    }
-}
-
-/* Tokens [t0, t1) of the flattened [B, S]; returns how many had a
- * position outside [0, L) (left unwritten). */
-static int64_t NAME(tokens)(const struct geometry *g, const T *x, T *out,
-                            const T *cos, const T *sin,
-                            const int64_t *pos, int64_t t0, int64_t t1) {
-    const T sign = g->conjugate ? (T)-1 : (T)1;
+/* Tokens [t0, t1) of the flattened [B, S] in one layout and direction;
+ * returns how many had a position outside [0, L) (left unwritten). */
+static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
+    const struct call *g, int64_t t0, int64_t t1, const int interleaved,
+    const int inverse) {
+    const C *cos = (const C *)g->cos, *sin = (const C *)g->sin;
+    const S *q = (const S *)g->q, *k = (const S *)g->k;
+    S *q_out = (S *)g->q_out, *k_out = (S *)g->k_out;
+    const int64_t r2 = g->r2, dim = g->dim, seq = g->seq;
     int64_t bad = 0;
     for (int64_t t = t0; t < t1; ++t) {
-        const int64_t b = t / g->seq, s = t % g->seq;
+        const int64_t b = t / seq, s = t % seq;
         if (g->touch > 0 && (t - t0) % g->touch == 0) {
             const int64_t end = t + g->touch < t1 ? t + g->touch : t1;
-            NAME(touch_pages)(out, t, end, g->os);
+            if (g->q_heads > 0) NAME(touch_pages)(q_out, t, end, g->qos);
+            if (g->k_heads > 0) NAME(touch_pages)(k_out, t, end, g->kos);
         }
-        const int64_t p = pos[b * g->pb + s * g->ps];
+        const int64_t p = g->pos[b * g->pb + s * g->ps];
         if (p < 0 || p >= g->length) {
             ++bad;
             continue;
         }
-        const T *c = cos + p * g->r2, *sn = sin + p * g->r2;
-        for (int64_t h = 0; h < g->heads; ++h) {
-            const T *xr = x + b * g->xb + s * g->xs + h * g->xh;
-            T *orow = out + b * g->ob + s * g->os + h * g->oh;
-            if (g->interleaved)
-                NAME(interleaved_row)(xr, orow, c, sn, sign, g->r2);
-            else
-                NAME(half_row)(xr, orow, c, sn, sign, g->r2);
-            if (orow != xr && 2 * g->r2 < g->dim) /* the rest */
-                memcpy(orow + 2 * g->r2, xr + 2 * g->r2,
-                       (size_t)(g->dim - 2 * g->r2) * sizeof(T));
-        }
+        const C *c = cos + p * r2, *sn = sin + p * r2;
+        NAME(heads)(q + b * g->qb + s * g->qs,
+                    q_out + b * g->qob + s * g->qos, g->q_heads, g->qh,
+                    g->qoh, c, sn, r2, dim, interleaved, inverse);
+        NAME(heads)(k + b * g->kb + s * g->ks,
+                    k_out + b * g->kob + s * g->kos, g->k_heads, g->kh,
+                    g->koh, c, sn, r2, dim, interleaved, inverse);
     }
     return bad;
 }
 
+/* tokens_in for the call's layout and direction, each its own loop. */
+static int64_t NAME(tokens)(const struct call *g, int64_t t0, int64_t t1) {
+    if (g->interleaved)
+        return g->conjugate ? NAME(tokens_in)(g, t0, t1, 1, 1)
+                            : NAME(tokens_in)(g, t0, t1, 1, 0);
+    return g->conjugate ? NAME(tokens_in)(g, t0, t1, 0, 1)
+                        : NAME(tokens_in)(g, t0, t1, 0, 0);
+}
+
 /* The entry point: all tokens, split into `threads` contiguous runs,
- * one per OpenMP thread (without OpenMP: one run). */
-int64_t NAME(ropelib_rotate)(const T *x, T *out, const T *cos,
-                             const T *sin, const int64_t *pos,
-                             const int64_t *shape, int64_t threads) {
-    const struct geometry g = geometry_of(shape);
-    const int64_t tokens = g.batch * g.seq;
+ * one per OpenMP thread (without OpenMP: one run). Returns -1 for a
+ * call of another ABI, else the number of tokens left unwritten. */
+int64_t NAME(ropelib_rotate)(const struct call *g) {
+    if (g->abi != ROPELIB_ABI) return -1;
+    const int64_t tokens = g->batch * g->seq;
+    int64_t threads = g->threads < tokens ? g->threads : tokens;
     int64_t bad = 0;
-    if (threads > tokens) threads = tokens;
-    if (threads <= 1)
-        return NAME(tokens)(&g, x, out, cos, sin, pos, 0, tokens);
+    if (threads <= 1) return NAME(tokens)(g, 0, tokens);
 #ifdef _OPENMP
 #pragma omp parallel num_threads(threads) reduction(+ : bad)
     {
@@ -87,11 +111,10 @@ int64_t NAME(ropelib_rotate)(const T *x, T *out, const T *cos,
         const int64_t i = omp_get_thread_num();
         const int64_t step = (tokens + n - 1) / n, a = i * step;
         const int64_t e = a + step < tokens ? a + step : tokens;
-        if (a < e) bad += NAME(tokens)(&g, x, out, cos, sin, pos, a, e);
+        if (a < e) bad += NAME(tokens)(g, a, e);
     }
 #else
-    (void)threads;
-    bad = NAME(tokens)(&g, x, out, cos, sin, pos, 0, tokens);
+    bad = NAME(tokens)(g, 0, tokens);
 #endif
     return bad;
 }

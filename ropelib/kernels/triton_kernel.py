@@ -153,6 +153,7 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     stride_pb,
     stride_ps,
     stride_table,
+    FREQ,
     ROTARY_DIM: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_H: tl.constexpr,
@@ -163,6 +164,7 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     COPY_REST: tl.constexpr,
     VARLEN: tl.constexpr,
     SEARCH_STEPS: tl.constexpr,
+    HAS_FREQ: tl.constexpr,
 ):
     """Grid ``(batch * seq, q_blocks + k_blocks)``; see the module
     docstring."""
@@ -176,12 +178,21 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
         pos = s - _document_start(POS, s, stride_pb, SEARCH_STEPS)
     else:
         pos = tl.load(POS + b * stride_pb + s * stride_ps)
-    # memory safety; the host validates the range
-    pos = tl.minimum(tl.maximum(pos, 0), table_len - 1)
+    # a row of the table; the host checks the range, or FREQ covers the rest
+    row = tl.minimum(tl.maximum(pos, 0), table_len - 1)
     pairs = tl.arange(0, BLOCK_R2)
     pair_ok = pairs < ROTARY_DIM // 2
-    cos = tl.load(COS + pos * stride_table + pairs, mask=pair_ok, other=0.0)
-    sin = tl.load(SIN + pos * stride_table + pairs, mask=pair_ok, other=0.0)
+    cos = tl.load(COS + row * stride_table + pairs, mask=pair_ok, other=0.0)
+    sin = tl.load(SIN + row * stride_table + pairs, mask=pair_ok, other=0.0)
+    if HAS_FREQ:
+        if (pos < 0) | (pos >= table_len):
+            # beyond the table: the row from the float64 frequencies,
+            # as the table's rows were made, then the attention factor
+            inv = tl.load(FREQ + pairs, mask=pair_ok, other=0.0)
+            factor = tl.load(FREQ + ROTARY_DIM // 2)
+            angle = pos.to(tl.float64) * inv
+            cos = (tl.cos(angle) * factor).to(cos.dtype)
+            sin = (tl.sin(angle) * factor).to(sin.dtype)
     if CONJUGATE:
         sin = -sin
     if block < q_blocks:
@@ -228,7 +239,7 @@ def block_heads(q_heads: int, k_heads: int, head_dim: int) -> int:
     return max(1, min(most, triton.next_power_of_2(max(1, 2048 // head_dim))))
 
 
-def launch_rotary_qk(
+def launch(
     q: torch.Tensor,
     k: torch.Tensor,
     q_out: torch.Tensor,
@@ -237,29 +248,32 @@ def launch_rotary_qk(
     sin: torch.Tensor,
     positions: torch.Tensor,
     *,
+    frequencies: torch.Tensor | None,
+    cu_seqlens: torch.Tensor | None,
     interleaved: bool,
     conjugate: bool,
-    cu_seqlens: torch.Tensor | None = None,
 ) -> None:
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
 
-    With ``cu_seqlens`` (``[num_docs + 1]``, a packed row of batch 1) ``positions`` is not read: each
-    program finds its token's document by a binary search of ``cu_seqlens`` and counts from its start.
-
-    Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` with unit stride on ``D``; ``cos``/``sin``
-    ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any strides, 0 for a shared row).
-    No validation here: :func:`~ropelib.rotary_qk` does it.
+    Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0) with unit stride on
+    ``D``; ``cos``/``sin`` ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any
+    strides, 0 for a shared row; ``[S]`` and ``[1, S]`` are broadcast). With ``cu_seqlens`` (``[num_docs + 1]``, a packed row of batch 1)
+    ``positions`` is not read: each program finds its token's document by a binary search of
+    ``cu_seqlens`` and counts from its start. With ``frequencies`` (float64 ``[r/2 + 1]``: the
+    inverse frequencies, then the factor on cos and sin) a position outside ``[0, L)`` gets its row
+    computed in the kernel; without, positions must lie in the table. Unchecked.
     """
     batch, seq, q_heads, head_dim = q.shape
     k_heads = k.shape[2]
     rotary_dim = 2 * cos.shape[-1]
-    bh = block_heads(q_heads, k_heads, head_dim)
+    bh = block_heads(q_heads, max(k_heads, 1), head_dim)
     q_blocks = triton.cdiv(q_heads, bh)
     grid = (batch * seq, q_blocks + triton.cdiv(k_heads, bh))
     if grid[0] == 0:
         return
     rest = head_dim - rotary_dim
     varlen = cu_seqlens is not None
+    positions = positions.expand(batch, seq)
     cu = cu_seqlens.to(torch.int64) if cu_seqlens is not None else positions
     num_docs = cu.shape[0] - 1 if varlen else 0
     rotary_qk_kernel[grid](
@@ -281,6 +295,7 @@ def launch_rotary_qk(
         *k_out.stride()[:3],
         *((num_docs, 0) if varlen else positions.stride()),
         cos.stride(0),
+        cos if frequencies is None else frequencies,
         ROTARY_DIM=rotary_dim,
         HEAD_DIM=head_dim,
         BLOCK_H=bh,
@@ -290,6 +305,8 @@ def launch_rotary_qk(
         CONJUGATE=conjugate,
         VARLEN=varlen,
         SEARCH_STEPS=max(1, (num_docs - 1).bit_length()) if varlen else 1,
+        HAS_FREQ=frequencies is not None,
         COPY_REST=rest > 0 and q_out.data_ptr() != q.data_ptr(),
         num_warps=4,
+        enable_fp_fusion=False,  # a c - b s as two roundings, as the PyTorch kernel
     )

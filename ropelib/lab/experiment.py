@@ -55,7 +55,7 @@ from .._validation import check_choice, check_int
 from ..attention.mha import MultiHeadAttention
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..encodings.relative import t5_relative_bucket
-from ..rotary import RotaryEmbedding
+from ..rotary import RotaryEmbedding, Rotation
 from ..scaling import ROPE_SCALINGS
 from .stats import format_mean_std
 from .tasks import IGNORE, TASKS
@@ -197,11 +197,11 @@ def repeat_batch(
 class Block(nn.Module):
     """Pre-norm transformer block: ``x + attn(ln(x))``, then ``x + mlp(ln(x))``."""
 
-    def __init__(self, config: LabConfig, position: str) -> None:
+    def __init__(self, config: LabConfig, position: str, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         options: dict[str, Any] = {}
         if position == "rope":
-            options = {"theta": config.theta}
+            options = {"rotary": rotary}
         elif position == "t5":
             options = {"num_buckets": config.t5_num_buckets, "max_distance": config.t5_max_distance}
         self.norm1 = nn.LayerNorm(config.embed_dim)
@@ -213,8 +213,8 @@ class Block(nn.Module):
             nn.Linear(4 * config.embed_dim, config.embed_dim),
         )
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x))
+    def forward(self, x: torch.Tensor, rotation: Rotation | None = None) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), rotation=rotation)
         return x + self.mlp(self.norm2(x))
 
 
@@ -247,8 +247,10 @@ class TinyTransformer(nn.Module):
             )
         relative = encoding in ("t5", "alibi", "rope")
         in_attention = encoding if relative else "none"
+        # one rotary module for the model: one table cache, one rotation per forward for every layer
+        self.rope = RotaryEmbedding(config.embed_dim // config.num_heads, config.theta) if encoding == "rope" else None
         self.blocks = nn.ModuleList(
-            [Block(config, in_attention) for _ in range(config.num_layers)],
+            [Block(config, in_attention, self.rope) for _ in range(config.num_layers)],
         )
         self.norm = nn.LayerNorm(config.embed_dim)
         self.head = nn.Linear(config.embed_dim, config.vocab_size)
@@ -257,8 +259,9 @@ class TinyTransformer(nn.Module):
         x = self.embed(tokens)
         if self.absolute is not None:
             x = self.absolute(x)
+        rotation = None if self.rope is None else self.rope.rotation(x)
         for block in self.blocks:
-            x = block(x)
+            x = block(x, rotation)
         return self.head(self.norm(x))
 
 
@@ -276,19 +279,19 @@ def with_rope_scaling(model: TinyTransformer, scaling: dict[str, Any] | None) ->
     if model.encoding != "rope":
         raise ValueError(f"test-time scaling applies to a RoPE model, got encoding={model.encoding!r}")
     scaled = copy.deepcopy(model)
+    old = cast(RotaryEmbedding, scaled.rope)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        scaled.rope = RotaryEmbedding(
+            old.head_dim,
+            old.theta,
+            old.layout,
+            scaling=scaling,
+            max_position_embeddings=model.config.train_length,
+            kernel=old.kernel,
+        )
     for block in scaled.blocks:
-        attention = cast(Block, block).attn
-        old = cast(RotaryEmbedding, attention.encoding)
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", UserWarning)
-            attention.encoding = RotaryEmbedding(
-                old.head_dim,
-                old.theta,
-                old.layout,
-                scaling=scaling,
-                max_position_embeddings=model.config.train_length,
-                backend=old.backend,
-            )
+        cast(Block, block).attn.encoding = scaled.rope
     return scaled
 
 

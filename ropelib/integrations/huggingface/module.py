@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -11,13 +12,50 @@ from torch import nn
 
 from ..._validation import check_bool, check_choice, check_integer_tensor, check_positions
 from ...config import rope_config
-from ...kernels.ops import BACKENDS
-from ...mrope import MRotaryEmbedding
-from ...rotary import RotaryEmbedding
+from ...kernels.registry import KERNEL_CHOICES
+from ...rotary import MRotaryEmbedding, RotaryEmbedding
 from ...scaling import rope_type_of
 
 #: The forms of tables a ``transformers`` rotary module returns (see :class:`HFRotaryEmbedding`).
 OUTPUTS = ("cat", "repeat", "sin_cos", "complex")
+#: The attribute of a returned table that holds its :class:`ReturnedTables`.
+TAG = "_ropelib_tables"
+
+
+@dataclass(frozen=True)
+class ReturnedTables:
+    """What stands behind tables an :class:`HFRotaryEmbedding` returned: ropelib's float ``[.., seq, r/2]`` rows.
+
+    Kept on the first returned tensor (attribute :data:`TAG`), with the second one (held weakly)
+    and the version counters of both at return, so that the patched apply function recognises
+    exactly these tensors, unchanged. Inference tensors have no version counter: for them only
+    the identity is checked.
+    """
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    kernel: str
+    partner: weakref.ref[torch.Tensor] | None
+    versions: tuple[int, ...] | None
+
+
+def _versions(*tensors: torch.Tensor) -> tuple[int, ...] | None:
+    return None if any(t.is_inference() for t in tensors) else tuple(t._version for t in tensors)
+
+
+def returned_tables(first: object, second: object = None) -> ReturnedTables | None:
+    """The :class:`ReturnedTables` behind ``first`` (and ``second``, returned beside it), if both are the
+    tensors an :class:`HFRotaryEmbedding` returned together and neither has changed since; else None."""
+    tag = getattr(first, TAG, None) if isinstance(first, torch.Tensor) else None
+    if not isinstance(tag, ReturnedTables):
+        return None
+    partner = None if tag.partner is None else tag.partner()
+    if partner is not second or (partner is None and second is not None):
+        return None
+    tensors = (first,) if not isinstance(second, torch.Tensor) else (first, second)
+    if tag.versions is not None and _versions(*tensors) != tag.versions:
+        return None
+    return tag
 
 
 def config_dict(config: Any) -> dict[str, Any]:
@@ -59,8 +97,8 @@ class HFRotaryEmbedding(nn.Module):
     Args:
         config: the model's ``transformers`` config, or its ``config.json`` dict (read by
             :func:`ropelib.rope_config` unless ``rope_options`` are given).
-        backend: how the patched apply function rotates with these tables: ``"auto"``,
-            ``"torch"`` or ``"triton"`` (see :class:`ropelib.RotaryEmbedding`).
+        kernel: the kernel the patched apply function rotates with: ``"auto"``, ``"torch"``,
+            ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
         original: the module this one replaces; :func:`~ropelib.unpatch_hf_rope` puts it back.
         output: one of :data:`~ropelib.integrations.huggingface.module.OUTPUTS` (above).
         rope_options: :class:`~ropelib.RotaryEmbedding` arguments by layer type (key ``None``
@@ -89,7 +127,7 @@ class HFRotaryEmbedding(nn.Module):
         self,
         config: Any,
         *,
-        backend: str = "auto",
+        kernel: str = "auto",
         original: nn.Module | None = None,
         output: str = "cat",
         rope_options: Mapping[str | None, Mapping[str, Any]] | None = None,
@@ -97,7 +135,7 @@ class HFRotaryEmbedding(nn.Module):
         mrope_interleaved: bool = False,
     ) -> None:
         super().__init__()
-        self.backend = check_choice(backend, "backend", BACKENDS)
+        self.kernel = check_choice(kernel, "kernel", KERNEL_CHOICES)
         self.output = check_choice(output, "output", OUTPUTS)
         check_bool(mrope_interleaved, "mrope_interleaved")
         self.config = config
@@ -111,18 +149,16 @@ class HFRotaryEmbedding(nn.Module):
         self.ropes: dict[str | None, RotaryEmbedding]
         if mrope_section is not None:
             self.mrope = MRotaryEmbedding(
-                mrope_section=mrope_section, interleaved=mrope_interleaved, backend=backend, **rope_options[None]
+                mrope_section=mrope_section, interleaved=mrope_interleaved, kernel=kernel, **rope_options[None]
             )
             self.ropes = {None: self.mrope.rope}
         else:
             self.ropes = {
-                key: RotaryEmbedding(layout="half", backend=backend, **opts) for key, opts in rope_options.items()
+                key: RotaryEmbedding(layout="half", kernel=kernel, **opts) for key, opts in rope_options.items()
             }
         self.rope = next(iter(self.ropes.values()))  # the (first) setting: frequencies, rotary_dim
         self.rope_type = rope_type_of(self.rope.scaling)
         self._original = (original,)  # a tuple, so that the replaced module is not a submodule
-        # by layer type: the key tensor last returned, with ropelib's half-width float tables behind it
-        self._last: dict[str | None, tuple[weakref.ref[torch.Tensor], torch.Tensor, torch.Tensor]] = {}
 
     @property
     def original(self) -> nn.Module | None:
@@ -148,13 +184,7 @@ class HFRotaryEmbedding(nn.Module):
         self, positions: torch.Tensor, dtype: torch.dtype, layer_type: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """ropelib's ``[.., seq, r/2]`` tables at validated int64 ``positions``, in ``dtype`` (float32 or float64)."""
-        rope = self.ropes[layer_type]
-        seq = positions.shape[-1]
-        cos, sin, rows = rope.tables_for(positions, seq, positions.device, dtype)
-        if rows is None:
-            return cos[:seq], sin[:seq]
-        index = rows.reshape(-1)  # one gather per table (cheaper than advanced indexing)
-        return cos.index_select(0, index).view(*rows.shape, -1), sin.index_select(0, index).view(*rows.shape, -1)
+        return self.ropes[layer_type].rows_at(positions, dtype)
 
     def _positions(self, position_ids: object) -> torch.Tensor:
         position_ids = check_integer_tensor(position_ids, "position_ids")
@@ -193,10 +223,11 @@ class HFRotaryEmbedding(nn.Module):
             if positions.ndim == 1:
                 cos_half, sin_half = cos_half[None], sin_half[None]
         out = self._format(cos_half, sin_half, x.dtype)
-        if not torch.compiler.is_compiling():
-            key = out[0] if isinstance(out, tuple) else out
-            record = (weakref.ref(key), cos_half, sin_half)
-            self._last[layer_type] = record
+        if not torch.compiler.is_compiling():  # compiled graphs call the original apply: no tag needed
+            first, second = out if isinstance(out, tuple) else (out, None)
+            partner = None if second is None else weakref.ref(second)
+            versions = _versions(first) if second is None else _versions(first, second)
+            setattr(first, TAG, ReturnedTables(cos_half, sin_half, self.kernel, partner, versions))
         return out
 
     def _check_layer_type(self, layer_type: object) -> None:
@@ -217,14 +248,7 @@ class HFRotaryEmbedding(nn.Module):
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)
         return (cos, sin) if cos.dtype == dtype else (cos.to(dtype), sin.to(dtype))
 
-    def tables_of(self, key: object) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """ropelib's half-width ``(cos, sin)`` behind ``key`` (the first table returned, or the complex one) when this module returned it last, else None."""
-        for ref, cos, sin in self._last.values():
-            if ref() is key:
-                return cos, sin
-        return None
-
     def extra_repr(self) -> str:
         types = "" if self.layer_types == [None] else f", layer_types={self.layer_types}"
         mrope = "" if self.mrope is None else f", mrope_section={list(self.mrope.mrope_section)}"
-        return f"rope_type={self.rope_type!r}, output={self.output!r}, backend={self.backend!r}{types}{mrope}"
+        return f"rope_type={self.rope_type!r}, output={self.output!r}, kernel={self.kernel!r}{types}{mrope}"

@@ -12,8 +12,10 @@ Models of a known family (:mod:`~ropelib.integrations.huggingface.families`) do 
 :func:`~ropelib.patch_hf_rope` swaps each (1) for an :class:`~ropelib.HFRotaryEmbedding`, which builds the
 tables with ropelib from the model's config, and wraps each (2) so that tables made by ropelib
 are applied by ropelib's kernels (:class:`~ropelib.integrations.huggingface.apply.RopelibApply`).
-The wrapper recognises ropelib's tables by identity and hands every other call to the original
-function untouched, so an unpatched model in the same process computes exactly what it did before.
+The wrapper recognises ropelib's tables by identity and version and hands every other call to the
+original function untouched, so an unpatched model in the same process computes exactly what it
+did before. The wrapper keeps the patched modules that use it; unpatching the last one puts the
+original function back.
 
 This package never imports ``transformers``: it reads the model's modules and config only.
 """
@@ -29,16 +31,13 @@ from typing import TypeVar
 from torch import nn
 
 from ..._validation import check_choice
-from ...kernels.ops import BACKENDS
-from .apply import INSTALLED, RopelibApply
+from ...kernels.registry import KERNEL_CHOICES
+from .apply import RopelibApply
 from .families import FAMILIES, Family, family_of
 from .module import HFRotaryEmbedding, config_dict
 from .probes import probe_apply, probe_tables
 
 ModelT = TypeVar("ModelT", bound=nn.Module)
-
-# modeling module name -> the wrapper installed there
-_WRAPPED: dict[str, RopelibApply] = {}
 
 
 def _modeling_modules(model: nn.Module, family: Family) -> list[ModuleType]:
@@ -76,7 +75,7 @@ def _config_of(model: nn.Module, name: str, module: nn.Module) -> object:
     return config
 
 
-def _replacement(model: nn.Module, name: str, original: nn.Module, family: Family, backend: str) -> HFRotaryEmbedding:
+def _replacement(model: nn.Module, name: str, original: nn.Module, family: Family, kernel: str) -> HFRotaryEmbedding:
     """The :class:`HFRotaryEmbedding` for ``original``, built from the config as the family's row says."""
     config = _config_of(model, name, original)
     mrope_section = None
@@ -86,7 +85,7 @@ def _replacement(model: nn.Module, name: str, original: nn.Module, family: Famil
             raise ValueError(f"model's {name} has no mrope_section attribute to split the frequency pairs by")
     return HFRotaryEmbedding(
         config,
-        backend=backend,
+        kernel=kernel,
         original=original,
         output=family.output,
         rope_options=family.options(config_dict(config)),
@@ -101,7 +100,7 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, attr, module)
 
 
-def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
+def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
     r"""Make a ``transformers`` model of a known family compute RoPE with ropelib; returns ``model``.
 
     Replaces every rotary module of ``model`` by an :class:`HFRotaryEmbedding` built from the same
@@ -119,7 +118,7 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
     ``(x_{2i}, x_{2i+1}) -> (x_{2i} c_i - x_{2i+1} s_i, x_{2i+1} c_i + x_{2i} s_i)`` (GLM, Cohere,
     GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p f_i}``), take one RoPE setting per layer type
     (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
-    Qwen3-VL; :mod:`ropelib.mrope`). Weights, buffers and the state dict are unchanged;
+    Qwen3-VL; :mod:`ropelib.rotary.mrope`). Weights, buffers and the state dict are unchanged;
     logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
     A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
     bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
@@ -134,7 +133,7 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
             ``GlmForCausalLM``, ``GPTJForCausalLM``, ``Llama4ForCausalLM``, ``Gemma3ForCausalLM``,
             ``Qwen2VLForConditionalGeneration``) or any module containing one, with real (not meta)
             tensors. Vision rotary modules (2-D axial RoPE of a vision tower) are left alone.
-        backend: ``"auto"`` (the fused kernel on CUDA where available), ``"torch"`` or ``"triton"``.
+        kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
 
     Returns:
         The same ``model`` object, patched in place.
@@ -151,7 +150,7 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    backend = check_choice(backend, "backend", BACKENDS)
+    kernel = check_choice(kernel, "kernel", KERNEL_CHOICES)
     targets = _targets(model)
     if not targets:
         if any(isinstance(m, HFRotaryEmbedding) for m in model.modules()):
@@ -178,23 +177,21 @@ def patch_hf_rope(model: ModelT, *, backend: str = "auto") -> ModelT:
 
     replacements = []
     for name, original, family in targets:
-        replacement = _replacement(model, name, original, family, backend)
+        replacement = _replacement(model, name, original, family, kernel)
         device = next(original.buffers()).device  # every family's module has a frequency buffer
         for tables, _ in probe_tables(original, replacement, device).values():
             for py_module in py_modules[family]:
                 probe_apply(py_module, family, replacement, tables)
-        replacements.append((name, replacement))
+        replacements.append((name, replacement, family))
 
-    for name, replacement in replacements:
+    for name, replacement, family in replacements:
         _set_submodule(model, name, replacement)
-        INSTALLED.add(replacement)
-    for family, modules in py_modules.items():
-        for py_module in modules:
+        for py_module in py_modules[family]:
             current = getattr(py_module, family.apply_name)
             if not isinstance(current, RopelibApply):
-                wrapper = RopelibApply(current, family.signature, family.layout)
-                setattr(py_module, family.apply_name, wrapper)
-                _WRAPPED[f"{py_module.__name__}.{family.apply_name}"] = wrapper
+                current = RopelibApply(current, family.signature, family.layout)
+                setattr(py_module, family.apply_name, current)
+            current.users.add(replacement)
     return model
 
 
@@ -211,22 +208,23 @@ def unpatch_hf_rope(model: ModelT) -> ModelT:
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    removed = []
     for name, module in list(model.named_modules()):
         if isinstance(module, HFRotaryEmbedding) and module.original is not None:
             _set_submodule(model, name, module.original)
-            INSTALLED.discard(module)
-    if not len(INSTALLED):
-        for key, wrapper in list(_WRAPPED.items()):
-            module_name, _, attr = key.rpartition(".")
-            py_module = sys.modules.get(module_name)
-            if py_module is not None and getattr(py_module, attr) is wrapper:
-                setattr(py_module, attr, wrapper.original)
-            del _WRAPPED[key]
+            removed.append(module)
+    for py_module in {sys.modules.get(type(m).__module__) for m in model.modules()} - {None}:
+        for attr, wrapper in list(vars(py_module).items()):
+            if isinstance(wrapper, RopelibApply):
+                for module in removed:
+                    wrapper.users.discard(module)
+                if not len(wrapper.users):  # no patched model uses it any more
+                    setattr(py_module, attr, wrapper.original)
     return model
 
 
 @contextlib.contextmanager
-def use_ropelib_rope(model: ModelT, *, backend: str = "auto") -> Iterator[ModelT]:
+def use_ropelib_rope(model: ModelT, *, kernel: str = "auto") -> Iterator[ModelT]:
     """Context manager: ``model`` computes RoPE with ropelib inside the block, as before after it.
 
     Example:
@@ -241,7 +239,7 @@ def use_ropelib_rope(model: ModelT, *, backend: str = "auto") -> Iterator[ModelT
         >>> type(model.model.rotary_emb).__name__
         'Qwen2RotaryEmbedding'
     """
-    patch_hf_rope(model, backend=backend)
+    patch_hf_rope(model, kernel=kernel)
     try:
         yield model
     finally:

@@ -11,7 +11,7 @@ from torch import nn
 from ...reference import rotate
 from .apply import SIGNATURES, RopelibApply
 from .families import Family
-from .module import HFRotaryEmbedding
+from .module import HFRotaryEmbedding, returned_tables
 
 # Largest difference between Hugging Face's tables and ropelib's that the patch-time probe
 # accepts. Hugging Face forms the angle p * inv_freq in float32: inv_freq and the product are
@@ -64,7 +64,7 @@ def probe_tables(
         # Length-following scalings (dynamic NTK) keep grown frequencies for a sequence of exactly
         # max_position_embeddings and reset below it, in transformers as here: probe below it, so that a
         # model that has already generated past its context compares with its original frequencies.
-        n = min(n, max_positions - 1 if replacement.rope._follows_length and max_positions > 1 else max_positions)
+        n = min(n, max_positions - 1 if replacement.rope.spec.follows_length and max_positions > 1 else max_positions)
     atol = _PROBE_ATOL + 2 * (n - 1) * eps
     x = torch.zeros(1, device=device)
     positions = probe_positions(replacement, n, device)
@@ -95,10 +95,9 @@ def probe_apply(py_module: ModuleType, family: Family, replacement: HFRotaryEmbe
     """Check that the family's apply function in ``py_module`` is the rotation ropelib applies with these tables."""
     original = unwrapped(py_module, family.apply_name)
     assert callable(original)
-    key = tables[0] if isinstance(tables, tuple) else tables
-    found = replacement.tables_of(key)
+    found = returned_tables(*tables) if isinstance(tables, tuple) else returned_tables(tables)
     assert found is not None  # made by the replacement just before
-    cos_half, sin_half = found
+    cos_half, sin_half = found.cos, found.sin
     generator = torch.Generator().manual_seed(0)
     # ropelib's layout [batch, seq, heads, r]: heads 2 and 1 (as in GQA), the rotated width of the tables
     shape = (cos_half.shape[0], cos_half.shape[1], 2, 2 * cos_half.shape[-1])

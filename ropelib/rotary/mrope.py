@@ -28,11 +28,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._validation import check_bool, check_choice, check_int, check_integer_tensor, check_position_range, check_qk
-from .kernels.ops import BACKENDS, rotate_by_token_tables
-from .layouts import LAYOUTS
-from .reference import rotate
-from .rotary import RotaryEmbedding
+from .._validation import check_bool, check_choice, check_int, check_integer_tensor, check_position_range, check_qk
+from ..kernels.door import rotate_token_tables
+from ..layouts import LAYOUTS
+from .standard import RotaryEmbedding
 
 #: The number of position axes: time, height, width.
 AXES = 3
@@ -158,7 +157,7 @@ class MRotaryEmbedding(nn.Module):
         mrope_section: ``(s_t, s_h, s_w)``, summing to ``rotary_dim / 2``.
         interleaved: Qwen3-VL's interleaved assignment of pairs to axes (else Qwen2-VL's contiguous sections).
         layout: ``"half"`` (Qwen2-VL in ``transformers``) or ``"interleaved"``.
-        backend: ``"auto"``, ``"torch"`` or ``"triton"``.
+        kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
 
     Shapes:
         ``forward(q, k, positions)``: ``q`` ``[batch, seq, q_heads, head_dim]``, ``k``
@@ -186,7 +185,7 @@ class MRotaryEmbedding(nn.Module):
         rotary_dim: int | None = None,
         scaling: Mapping[str, Any] | None = None,
         max_position_embeddings: int | None = None,
-        backend: str = "auto",
+        kernel: str = "auto",
     ) -> None:
         super().__init__()
         self.rope = RotaryEmbedding(
@@ -196,9 +195,9 @@ class MRotaryEmbedding(nn.Module):
             rotary_dim,
             scaling=scaling,
             max_position_embeddings=max_position_embeddings,
-            backend=check_choice(backend, "backend", BACKENDS),
+            kernel=kernel,
         )
-        if self.rope._follows_length:
+        if self.rope.spec.follows_length:
             raise ValueError("scaling must not be 'dynamic' or 'longrope' (length-following) for M-RoPE")
         self.mrope_section = _check_section(mrope_section, self.rope.rotary_dim // 2)
         self.interleaved = check_bool(interleaved, "interleaved")
@@ -209,8 +208,8 @@ class MRotaryEmbedding(nn.Module):
         return self.rope.layout
 
     @property
-    def backend(self) -> str:
-        return self.rope.backend
+    def kernel(self) -> str:
+        return self.rope.kernel
 
     def check_positions(self, positions: object, batch: int | None = None, seq_len: int | None = None) -> torch.Tensor:
         """Validate three-axis ``positions`` (``[3, seq]`` or ``[3, batch, seq]``); int64, always ``[3, batch or 1, seq]``."""
@@ -227,7 +226,7 @@ class MRotaryEmbedding(nn.Module):
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """``(cos, sin)`` ``[*positions.shape[1:], r/2]`` for validated ``[3, ...]`` positions, in ``dtype``."""
-        inv = self.rope._inv_freq_on(positions.device)
+        inv = self.rope.cache.inv_freq.to(positions.device)
         return mrope_tables(inv, positions, self.axes, self.rope.attention_scaling, dtype)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -236,9 +235,7 @@ class MRotaryEmbedding(nn.Module):
         positions = self.check_positions(positions, batch, seq).to(q.device)
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
         cos, sin = self.tables(positions, compute)  # [1 or batch, seq, r/2]
-        if q.dtype == torch.float64:
-            return rotate(q, cos, sin, self.layout), rotate(k, cos, sin, self.layout)
-        return rotate_by_token_tables(q, k, cos, sin, interleaved=self.layout == "interleaved", backend=self.backend)
+        return rotate_token_tables(q, k, cos, sin, interleaved=self.layout == "interleaved", kernel=self.kernel)
 
     def extra_repr(self) -> str:
         return f"mrope_section={list(self.mrope_section)}, interleaved={self.interleaved}, {self.rope.extra_repr()}"

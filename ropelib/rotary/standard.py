@@ -1,0 +1,495 @@
+r"""Rotary position embedding (RoPE; Su et al., RoFormer, 2021): :class:`RotaryEmbedding`, a spec, a cache, one operator.
+
+Each pair of features ``(x_a, x_b)`` of a query or key at position ``m`` is rotated by ``m f_i``:
+
+.. math::
+
+    \begin{pmatrix} x_a' \\ x_b' \end{pmatrix} =
+    \begin{pmatrix} \cos m f_i & -\sin m f_i \\ \sin m f_i & \cos m f_i \end{pmatrix}
+    \begin{pmatrix} x_a \\ x_b \end{pmatrix},
+
+so that ``<R_m q, R_n k>`` depends on ``m - n`` only. Which features pair up is the *layout*
+(:mod:`ropelib.layouts`); tensors are ``[batch, seq, heads, head_dim]``, and with ``rotary_dim <
+head_dim`` only the first ``rotary_dim`` features turn.
+
+A call checks its arguments once, makes a :class:`Rotation` (the tables of
+:class:`~ropelib.rotary.cache.TableCache` and the checked positions) and applies it: one call of
+the operator ``ropelib::rotary``. A model makes one :class:`Rotation` per forward pass and hands it
+to every layer (:class:`ropelib.MultiHeadAttention` takes ``rotation=``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._validation import (
+    check_bool,
+    check_choice,
+    check_even,
+    check_float_dtype,
+    check_int,
+    check_integer_tensor,
+    check_position_range,
+    check_positions,
+    check_qk,
+    values_readable,
+)
+from ..config import rope_config
+from ..frequencies import angle_tables
+from ..kernels.door import check_kernel, no_offsets, offset_positions
+from ..kernels.operators import rotary, rotary_
+from ..layouts import LAYOUTS
+from ..packing import check_cu_seqlens, positions_in_documents
+from ..reference import rotate as reference_rotate
+from .cache import TableCache
+from .spec import RopeSpec
+
+
+class Rotation:
+    """The rotation of one forward pass: tables and checked positions, applied to the q and k of every layer.
+
+    Made by :meth:`RotaryEmbedding.rotation`; ``rotation(q, k)`` returns the rotated pair (one
+    ``ropelib::rotary`` call), for ``q``/``k`` of the batch and length it was made for. A value:
+    its attributes are not to be changed.
+
+    Attributes:
+        cos, sin: ``[L, r/2]`` tables (the cache's, or a row per token).
+        positions: int64 ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the tables.
+        frequencies: float64 ``[r/2 + 1]`` when a position may lie past the table, else None.
+        cu_seqlens: a packed row's document lengths (positions restart in each), or None.
+        differentiable: the rows carry a gradient (learned frequencies): plain operations rotate.
+    """
+
+    __slots__ = (
+        "cos",
+        "sin",
+        "positions",
+        "interleaved",
+        "kernel",
+        "head_dim",
+        "seq",
+        "frequencies",
+        "cu_seqlens",
+        "differentiable",
+    )
+
+    def __init__(
+        self,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        positions: torch.Tensor,
+        interleaved: bool,
+        kernel: str,
+        head_dim: int,
+        seq: int,
+        frequencies: torch.Tensor | None = None,
+        cu_seqlens: torch.Tensor | None = None,
+        differentiable: bool = False,
+    ) -> None:
+        self.cos, self.sin, self.positions = cos, sin, positions
+        self.interleaved, self.kernel, self.head_dim, self.seq = interleaved, kernel, head_dim, seq
+        self.frequencies, self.cu_seqlens, self.differentiable = frequencies, cu_seqlens, differentiable
+
+    def __repr__(self) -> str:
+        return (
+            f"Rotation(positions={tuple(self.positions.shape)}, table_rows={self.cos.shape[0]}, "
+            f"layout={'interleaved' if self.interleaved else 'half'!r}, kernel={self.kernel!r})"
+        )
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        check_qk(q, k, head_dim=self.head_dim)
+        rows = self.positions.shape[0] if self.positions.ndim == 2 else 1
+        if q.shape[1] != self.seq or rows not in (1, q.shape[0]):
+            raise ValueError(
+                f"q and k must have the seq_len {self.seq} and batch the rotation was made for, got {tuple(q.shape)}"
+            )
+        if _table_dtype(q.dtype) != self.cos.dtype:
+            raise ValueError(f"the rotation was made for {self.cos.dtype} tables; make one for {q.dtype} inputs")
+        return self.apply(q, k, inplace=check_bool(inplace, "inplace"))
+
+    def apply(self, q: torch.Tensor, k: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+        """``rotation(q, k)`` for q and k already checked against it (unchecked)."""
+        if self.differentiable:
+            rows = self.positions.expand(q.shape[0], self.seq)
+            layout = "interleaved" if self.interleaved else "half"
+            cos, sin = self.cos[rows].to(q.dtype), self.sin[rows].to(q.dtype)
+            return reference_rotate(q, cos, sin, layout), reference_rotate(k, cos, sin, layout)
+        args = (
+            self.cos,
+            self.sin,
+            self.positions,
+            self.frequencies,
+            self.cu_seqlens,
+            self.interleaved,
+            False,
+            self.kernel,
+        )
+        if inplace:
+            rotary_(q, k, *args)
+            return q, k
+        return rotary(q, k, *args)
+
+
+class RotaryEmbedding(nn.Module):
+    r"""Rotates queries and keys by their positions (RoPE).
+
+    Args:
+        head_dim: per-head width ``d``.
+        theta: the frequency base (``f_i = theta^{-2i/r}``).
+        layout: ``"half"`` (GPT-NeoX / Hugging Face) or ``"interleaved"`` (GPT-J / Meta / the seed).
+        rotary_dim: features rotated per head (``head_dim`` by default; even, <= ``head_dim``;
+            ``head_dim`` may then be odd).
+        scaling: a Hugging Face ``rope_scaling`` dict (:mod:`ropelib.scaling`). With
+            ``"proportional"`` and ``rotary_dim < head_dim``, ``rotary_dim / 2`` pairs of the whole
+            head turn at the full head's frequencies, as transformers computes it.
+        max_position_embeddings: the context length the frequencies are built for (read by scalings).
+        kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
+        theta_rescale_factor: static NTK-aware scaling (rotary-embedding-torch's): the base becomes
+            ``theta * factor^(r / (r - 2))``.
+        freqs_for: ``"lang"`` (``theta^{-2i/r}``) or ``"pixel"`` (``linspace(1, max_freq / 2, r / 2) * pi``,
+            for coordinates in ``[-1, 1]``); ``max_freq`` is read by ``"pixel"``.
+        continuous_positions: positions may be any finite reals (floating tensors), not only token indices.
+        learned_freq: the inverse frequencies become the parameter :attr:`learned_inv_freq`
+            (rotary-embedding-torch's ``learned_freq``): rows are computed from it at each call,
+            and gradients reach it.
+        cache: a :class:`~ropelib.rotary.cache.TableCache` to share (its spec must be this one's).
+
+    Shapes:
+        ``forward(q, k, positions=None, *, cu_seqlens=None, seqlen_offsets=0)``: ``q``
+        ``[batch, seq, q_heads, head_dim]``, ``k`` ``[batch, seq, kv_heads, head_dim]``;
+        ``positions`` integers ``[seq]``, ``[1, seq]`` or ``[batch, seq]``, >= 0 (default
+        ``0 .. seq-1``); ``cu_seqlens``: a packed row's document lengths (positions restart in each);
+        ``seqlen_offsets`` (flash-attn's): an int or integer tensor ``[batch]`` added to the default
+        positions. Returns the rotated ``(q, k)`` in their dtypes.
+
+    Example:
+        >>> rope = RotaryEmbedding(head_dim=8)
+        >>> q = k = torch.ones(1, 3, 2, 8)
+        >>> q2, k2 = rope(q, k)
+        >>> torch.allclose(q2[:, 0], q[:, 0])  # position 0 is not rotated
+        True
+    """
+
+    #: The learned inverse frequencies ``[rotary_dim // 2]`` (only with ``learned_freq=True``).
+    learned_inv_freq: nn.Parameter
+
+    def __init__(
+        self,
+        head_dim: int,
+        theta: float = 10000.0,
+        layout: str = "half",
+        rotary_dim: int | None = None,
+        *,
+        scaling: Mapping[str, Any] | None = None,
+        max_position_embeddings: int | None = None,
+        kernel: str = "auto",
+        theta_rescale_factor: float = 1.0,
+        freqs_for: str = "lang",
+        max_freq: float = 10.0,
+        continuous_positions: bool = False,
+        learned_freq: bool = False,
+        cache: TableCache | None = None,
+    ) -> None:
+        super().__init__()
+        self.head_dim = check_int(head_dim, "head_dim", minimum=2)
+        rotary_dim = self._rotary_dim(rotary_dim)
+        if scaling is not None and not isinstance(scaling, Mapping):
+            raise TypeError(f"scaling must be a dict (a rope_scaling config) or None, got {type(scaling).__name__}")
+        scaling, rotary_dim = self._proportional(scaling, rotary_dim)
+        self.layout = check_choice(layout, "layout", LAYOUTS)
+        self.kernel = check_choice(kernel, "kernel", ("auto", "torch", "native", "triton"))
+        self.continuous_positions = check_bool(continuous_positions, "continuous_positions")
+        self.learned_freq = check_bool(learned_freq, "learned_freq")
+        self.spec = RopeSpec.create(
+            rotary_dim,
+            theta,
+            scaling,
+            max_position_embeddings=max_position_embeddings,
+            freqs_for=freqs_for,
+            max_freq=max_freq,
+            theta_rescale_factor=theta_rescale_factor,
+        )
+        if self.spec.follows_length and (self.learned_freq or self.continuous_positions):
+            raise ValueError(
+                "a length-following scaling (dynamic, longrope) needs fixed frequencies and integer positions: "
+                "it does not combine with learned_freq=True or continuous_positions=True"
+            )
+        if cache is not None and (not isinstance(cache, TableCache) or cache.spec != self.spec):
+            raise ValueError("cache must be a TableCache of this module's spec (RopeSpec), to share its tables")
+        self.cache = cache if cache is not None else TableCache(self.spec)
+        self.reset_parameters()
+
+    def _rotary_dim(self, rotary_dim: int | None) -> int:
+        if rotary_dim is None:
+            if self.head_dim % 2:
+                raise ValueError(
+                    f"head_dim must be even (features are rotated in pairs) unless an even rotary_dim < head_dim "
+                    f"is given, got {self.head_dim}"
+                )
+            return self.head_dim
+        rotary_dim = check_even(rotary_dim, "rotary_dim")
+        if rotary_dim > self.head_dim:
+            raise ValueError(f"rotary_dim must be <= head_dim={self.head_dim}, got {rotary_dim}")
+        return rotary_dim
+
+    def _proportional(self, scaling: Mapping[str, Any] | None, rotary_dim: int) -> tuple[Any, int]:
+        """``rope_type="proportional"`` with ``rotary_dim < head_dim``: the fraction goes into the dict and the
+        frequencies span the whole head (:func:`~ropelib.scaling.proportional.proportional_scaling`)."""
+        if scaling is None or rotary_dim == self.head_dim:
+            return scaling, rotary_dim
+        if scaling.get("rope_type", scaling.get("type")) != "proportional":
+            return scaling, rotary_dim
+        if scaling.get("partial_rotary_factor") is not None:
+            raise ValueError(
+                "rope_type='proportional' got both rotary_dim < head_dim and scaling['partial_rotary_factor']; "
+                "give the fraction once"
+            )
+        fraction = rotary_dim / check_even(self.head_dim, "head_dim")
+        return {**scaling, "partial_rotary_factor": fraction}, self.head_dim
+
+    # the spec's values, as attributes
+    rotary_dim = property(lambda self: self.spec.rotary_dim, doc="Features rotated per head.")
+    theta = property(lambda self: self.spec.theta, doc="The frequency base.")
+    scaling = property(lambda self: self.spec.scaling, doc="The ``rope_scaling`` dict, or None.")
+    max_position_embeddings = property(lambda self: self.spec.max_position_embeddings, doc="The context length.")
+    theta_rescale_factor = property(lambda self: self.spec.theta_rescale_factor, doc="Static NTK factor.")
+    freqs_for = property(lambda self: self.spec.freqs_for, doc="The frequency family.")
+    max_freq = property(lambda self: self.spec.max_freq, doc="The highest ``pixel`` frequency.")
+
+    def reset_parameters(self) -> None:
+        """Reset :attr:`learned_inv_freq` to the spec's frequencies (after building under ``meta``, say)."""
+        if self.learned_freq:
+            initial = self.spec.frequencies()[0].to(torch.float32)
+            if isinstance(getattr(self, "learned_inv_freq", None), nn.Parameter):
+                with torch.no_grad():
+                    self.learned_inv_freq.copy_(initial)
+            else:
+                self.learned_inv_freq = nn.Parameter(initial)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """The float32 inverse frequencies, ``[rotary_dim // 2]`` (the learned ones' current value, detached)."""
+        if self.learned_freq:
+            return self.learned_inv_freq.detach().to(torch.float32)
+        return self.cache.inv_freq.to(torch.float32)
+
+    @property
+    def attention_scaling(self) -> float:
+        """The factor on cos and sin (YaRN's temperature; 1 for most scalings)."""
+        return self.cache.attention_scaling
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any], *, layout: str = "half", kernel: str = "auto") -> RotaryEmbedding:
+        """The rotary embedding of a model's ``config.json`` dict (parsed by :func:`ropelib.rope_config`).
+
+        Example:
+            >>> config = {
+            ...     "hidden_size": 64, "num_attention_heads": 4,
+            ...     "rope_theta": 500000.0, "max_position_embeddings": 4096,
+            ...     "rope_scaling": {"rope_type": "linear", "factor": 2.0},
+            ... }
+            >>> rope = RotaryEmbedding.from_config(config)
+            >>> rope.head_dim, rope.theta, rope.scaling
+            (16, 500000.0, {'rope_type': 'linear', 'factor': 2.0})
+        """
+        return cls(layout=layout, kernel=kernel, **rope_config(config))
+
+    # ----------------------------------------------------------------------------- rows
+
+    def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows computed for ``positions`` (any shape, integer or real): ``positions.shape + (r/2,)``."""
+        if self.learned_freq:
+            inv_freq = self.learned_inv_freq.to(device=positions.device, dtype=torch.float64)
+        else:
+            inv_freq = self.cache.inv_freq.to(positions.device)
+        return angle_tables(inv_freq, positions, self.attention_scaling, dtype)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(cos, sin)`` at ``positions`` (any shape), each ``positions.shape + (rotary_dim/2,)``, in ``dtype``.
+
+        Float64 angles rounded once to ``dtype``: the rows of the cache (gathered from it when the
+        positions can be read for free), or computed. Integer positions >= 0; with
+        ``continuous_positions``, any finite reals. A length-following scaling first follows
+        ``positions.max() + 1``.
+        """
+        dtype = check_float_dtype(dtype)
+        if self.continuous_positions and isinstance(positions, torch.Tensor) and positions.is_floating_point():
+            return self._rows(_check_finite(positions, "positions"), dtype)
+        positions = check_integer_tensor(positions, "positions").long()
+        check_position_range(positions, "positions", minimum=None if self.continuous_positions else 0)
+        return self.rows_at(positions, dtype)
+
+    def rows_at(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`cos_sin` for checked int64 ``positions`` of any sign, unchecked: the cache's rows when the
+        positions can be read for free and lie in it, else rows computed for them (the same values)."""
+        if self.spec.follows_length and positions.numel():  # transformers reads the length on the host too
+            self.cache.follow(int(positions.max()) + 1)
+        if values_readable(positions) and positions.numel() and not self.learned_freq:
+            low, high = (int(v) for v in torch.aminmax(positions))
+            if low >= 0 and high < self.cache.limit:
+                tables = self.cache.tables(positions.device, _table_dtype(dtype), high + 1)
+                index = positions.reshape(-1)
+                cos, sin = (t.index_select(0, index).view(*positions.shape, -1) for t in (tables.cos, tables.sin))
+                return cos.to(dtype), sin.to(dtype)
+        return self._rows(positions, dtype)
+
+    def cos_sin_cache(self, length: int, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """The float32 ``(cos, sin)`` tables of positions ``0 .. L-1`` for some ``L >= length``, ``[L, rotary_dim/2]``.
+
+        The cache's own tables (shared, not to be modified). With learned frequencies they are
+        computed from the parameter at each call.
+        """
+        length = check_int(length, "length", minimum=0)
+        device = torch.device("cpu") if device is None else torch.device(device)
+        if self.learned_freq:
+            return self._rows(torch.arange(max(length, 1), device=device), torch.float32)
+        if length > self.cache.limit:
+            return self._rows(torch.arange(length, device=device), torch.float32)
+        tables = self.cache.tables(device, torch.float32, max(length, 1))
+        return tables.cos, tables.sin
+
+    # ----------------------------------------------------------------------------- the call
+
+    def rotation(
+        self,
+        q: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        seqlen_offsets: int | torch.Tensor = 0,
+    ) -> Rotation:
+        """The checked :class:`Rotation` for queries like ``q`` (``[batch, seq, heads, head_dim]``: its batch,
+        length, dtype and device) at ``positions``; arguments as :meth:`forward`'s."""
+        batch, seq = q.shape[:2]
+        compute = _table_dtype(q.dtype)
+        length: int | None = None
+        if cu_seqlens is not None:
+            if positions is not None or not no_offsets(seqlen_offsets):
+                raise ValueError(
+                    "give positions, seqlen_offsets or cu_seqlens, not two: cu_seqlens defines the positions"
+                )
+            if batch != 1:
+                raise ValueError(
+                    f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}"
+                )
+            cu_seqlens = check_cu_seqlens(cu_seqlens, seq)
+            if cu_seqlens.device != q.device:
+                raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+            if self.learned_freq or self.spec.follows_length:  # rows of their own: the positions spelled out
+                positions, cu_seqlens = positions_in_documents(cu_seqlens, seq), None
+            else:
+                positions, length = torch.zeros(1, dtype=torch.long, device=q.device).expand(seq), seq
+        elif positions is None:
+            offsets = offset_positions(seqlen_offsets, batch, seq, q.device)
+            if offsets is None:
+                positions, length = torch.arange(seq, device=q.device), seq
+            else:
+                positions = offsets
+                length = int(seqlen_offsets) + seq if not isinstance(seqlen_offsets, torch.Tensor) else None
+        elif not no_offsets(seqlen_offsets):
+            raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
+        elif self.continuous_positions and isinstance(positions, torch.Tensor) and positions.is_floating_point():
+            positions = _check_finite(_check_shape(positions, batch, seq), "positions").to(q.device)
+            return self._token_rotation(q, positions, compute)
+        else:
+            positions = check_positions(positions, "positions", batch=batch, seq_len=seq, minimum=None, expand=False)
+            bounds = check_position_range(positions, "positions", minimum=None if self.continuous_positions else 0)
+            if positions.device != q.device:
+                positions = positions.to(q.device)
+            if bounds is not None:
+                length = bounds[1] + 1 if bounds[0] >= 0 else None
+        if self.learned_freq or (self.continuous_positions and length is None):
+            return self._token_rotation(q, positions, compute)
+        if self.spec.follows_length and length is None:  # transformers reads the length on the host too
+            length = int(positions.max()) + 1 if positions.numel() else seq
+        tables = self.cache.tables(q.device, compute, length)
+        beyond = length is None or length > tables.length
+        return Rotation(
+            tables.cos,
+            tables.sin,
+            positions,
+            self.layout == "interleaved",
+            check_kernel(self.kernel, q.device, q.dtype),
+            self.head_dim,
+            seq,
+            frequencies=tables.frequencies if beyond else None,
+            cu_seqlens=cu_seqlens,
+        )
+
+    def _token_rotation(self, q: torch.Tensor, positions: torch.Tensor, compute: torch.dtype) -> Rotation:
+        """A rotation with a row per token (learned frequencies, real-valued positions)."""
+        cos, sin = self._rows(positions, compute)  # [S or B, S, r/2]
+        rows = torch.arange(positions.numel(), device=q.device).view(positions.shape)
+        differentiable = self.learned_freq and torch.is_grad_enabled() and self.learned_inv_freq.requires_grad
+        return Rotation(
+            cos.reshape(-1, cos.shape[-1]),
+            sin.reshape(-1, sin.shape[-1]),
+            rows,
+            self.layout == "interleaved",
+            check_kernel(self.kernel, q.device, q.dtype),
+            self.head_dim,
+            q.shape[1],
+            differentiable=differentiable,
+        )
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        positions: torch.Tensor | None = None,
+        *,
+        cu_seqlens: torch.Tensor | None = None,
+        seqlen_offsets: int | torch.Tensor = 0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        flat = cu_seqlens is not None and isinstance(q, torch.Tensor) and q.ndim == 3 and isinstance(k, torch.Tensor)
+        if flat:  # flash-attn's varlen layout [tokens, heads, d]
+            q, k = q.unsqueeze(0), k.unsqueeze(0)
+        check_qk(q, k, head_dim=self.head_dim)
+        q, k = self.rotation(q, positions, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets).apply(q, k)
+        return (q[0], k[0]) if flat else (q, k)
+
+    def extra_repr(self) -> str:
+        extra = "".join(
+            f", {name}={value!r}"
+            for name, value, default in (
+                ("theta_rescale_factor", self.theta_rescale_factor, 1.0),
+                ("freqs_for", self.freqs_for, "lang"),
+                ("continuous_positions", self.continuous_positions, False),
+                ("learned_freq", self.learned_freq, False),
+            )
+            if value != default
+        )
+        return (
+            f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
+            f"layout={self.layout!r}, scaling={self.scaling}, kernel={self.kernel!r}{extra}"
+        )
+
+
+def _table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The tables' dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_shape(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
+    shapes = [(seq,), (batch, seq), (1, seq)]
+    if tuple(positions.shape) not in shapes:
+        expected = " or ".join(str(list(s)) for s in dict.fromkeys(shapes))
+        raise ValueError(f"positions must have shape {expected}, got {list(positions.shape)}")
+    return positions
+
+
+def _check_finite(positions: torch.Tensor, name: str) -> torch.Tensor:
+    """Real-valued positions, finite (read on the CPU, a queued assertion elsewhere)."""
+    if positions.numel() and positions.device.type != "meta":
+        finite = torch.isfinite(positions).all()
+        if values_readable(positions):
+            if not bool(finite):
+                bad = positions[~torch.isfinite(positions)].flatten()[0].item()
+                raise ValueError(f"{name} must be finite, got {bad}")
+        else:
+            torch._assert_async(finite, f"{name} must be finite")
+    return positions
