@@ -40,7 +40,7 @@ from .._validation import (
 )
 from ..config import rope_config
 from ..frequencies import angle_tables
-from ..kernels.door import check_kernel, no_offsets, offset_positions
+from ..kernels.door import check_kernel, check_packed, no_offsets, offset_positions
 from ..kernels.operators import rotary, rotary_
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens, positions_in_documents
@@ -368,10 +368,7 @@ class RotaryEmbedding(nn.Module):
         compute = _table_dtype(q.dtype)
         length: int | None = None
         if cu_seqlens is not None:
-            if positions is not None or not no_offsets(seqlen_offsets):
-                raise ValueError(
-                    "give positions, seqlen_offsets or cu_seqlens, not two: cu_seqlens defines the positions"
-                )
+            check_packed(positions, seqlen_offsets)
             if batch != 1:
                 raise ValueError(
                     f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}"
