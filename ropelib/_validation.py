@@ -184,6 +184,8 @@ def check_position_range(
         ``(smallest, largest)`` position when they were read on the host (eager, CPU, not empty),
         so that a caller that needs them (to size a table) does not read them again; else None.
     """
+    while not torch.compiler.is_compiling() and torch._C._functorch.is_functorch_wrapped_tensor(positions):
+        positions = torch._C._functorch.get_unwrapped(positions)  # vmap: the tensor holding every member's values
     count = positions.numel()
     if count == 0 or positions.device.type == "meta":
         return None

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 transformers = pytest.importorskip("transformers")
 
@@ -141,9 +142,21 @@ def count_calls(
 
 
 def count_ropelib_rotations(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """Calls of the patched apply function that ropelib's kernels served (the few-token path included)."""
-    calls = count_calls(monkeypatch, hf.apply, "rotate_by_token_tables")
-    return count_calls(monkeypatch, hf.apply.native_kernel, "rotate_few", calls=calls)
+    """Calls of the patched apply function that ropelib served: each is one ``rotate_token_tables`` call."""
+    return count_calls(monkeypatch, hf.apply, "rotate_token_tables")
+
+
+class OperatorCalls(TorchDispatchMode):
+    """Counts the calls of ropelib's operators ``ropelib::rotary`` and ``ropelib::rotary_`` that reach dispatch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if func in (torch.ops.ropelib.rotary.default, torch.ops.ropelib.rotary_.default):
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
 
 
 # ----------------------------------------------------------------------------- logits
@@ -204,7 +217,7 @@ def test_cached_decoding_with_left_padding_matches_unpatched(
 
 def test_cached_decoding_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -> None:
     # Under torch.inference_mode the tables are inference tensors, which have no version counter:
-    # the patched model must still decode (its layers then rebuild the shared rows) and agree.
+    # the patched apply then recognises ropelib's tables by identity alone, and the model still decodes and agrees.
     reference = tiny_model("llama", "default")
     patched = patched_copy(reference)
     prompt = torch.randint(1, 100, (2, 6), generator=torch.Generator().manual_seed(3))
@@ -221,12 +234,12 @@ def test_cached_decoding_under_inference_mode(monkeypatch: pytest.MonkeyPatch) -
     assert ropelib_calls[0] == (1 + steps.shape[1]) * 2  # every pass of the patched model, 2 layers each
 
 
-def test_triton_backend_matches_unpatched() -> None:
+def test_triton_kernel_matches_unpatched() -> None:
     # The fused Triton kernel that "auto" picks on CUDA; without CUDA it runs in Triton's interpreter
     # (TRITON_INTERPRET=1, set by ropelib), slowly, hence one small prefill with per-row positions.
     pytest.importorskip("triton")
     reference = tiny_model("qwen2", "yarn")
-    patched = patched_copy(reference, backend="triton")
+    patched = patched_copy(reference, kernel="triton")
     ids, mask = left_padded_batch([12, 7], total=12)
     kwargs = {"attention_mask": mask, "position_ids": positions_from_mask(mask)}
     with torch.no_grad():
@@ -313,11 +326,107 @@ def test_patched_attention_rotates_with_ropelib(monkeypatch: pytest.MonkeyPatch)
     assert isinstance(wrapper, hf.apply.RopelibApply)
     ropelib_calls = count_ropelib_rotations(monkeypatch)
     original_calls = count_calls(monkeypatch, wrapper, "original")
-    with torch.no_grad():
-        model(torch.arange(1, 9)[None])
-    # q and k of each of the 2 layers go through ropelib's fused operator; transformers' function is never reached.
-    assert ropelib_calls[0] == 2 and original_calls[0] == 0
+    for length in (8, 1):  # a prompt, and a single token (a decoding step): the same path
+        before = ropelib_calls[0]
+        with torch.no_grad(), OperatorCalls() as operator:
+            model(torch.arange(1, 1 + length)[None])
+        # q and k of each of the 2 layers: one call of ropelib's fused operator each; transformers' function
+        # is never reached.
+        assert ropelib_calls[0] - before == 2 and operator.calls == 2 and original_calls[0] == 0, length
     unpatch_hf_rope(model)
+
+
+def patched_llama_apply() -> tuple[torch.nn.Module, Any, Any]:
+    """A patched tiny Llama, the patched ``apply_rotary_pos_emb`` and transformers' own function."""
+    from transformers.models.llama import modeling_llama
+
+    original = hf.probes.unwrapped(modeling_llama, "apply_rotary_pos_emb")
+    model = patch_hf_rope(tiny_model("llama"))
+    wrapper = modeling_llama.apply_rotary_pos_emb
+    assert isinstance(wrapper, hf.apply.RopelibApply) and not isinstance(original, hf.apply.RopelibApply)
+    return model, wrapper, original
+
+
+def random_qk(seq: int, seed: int = 5) -> tuple[torch.Tensor, torch.Tensor]:
+    """Llama's q and k of the tiny model, ``[batch 2, heads, seq, head_dim 16]`` (4 query, 2 key/value heads)."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(2, 4, seq, 16, generator=generator), torch.randn(2, 2, seq, 16, generator=generator)
+
+
+def test_negated_sin_gives_the_inverse_rotation(monkeypatch: pytest.MonkeyPatch) -> None:
+    # apply_rotary_pos_emb(q, k, cos, -sin) rotates by -theta. The -sin is a new tensor, not the one the
+    # installed module returned beside cos: the call must go to transformers' function with these very
+    # arguments (a stand-in that knew ropelib's tables by cos alone would rotate by +theta instead).
+    model, wrapper, original = patched_llama_apply()
+    positions = torch.tensor([[0, 1, 2, 5, 9, 17], [3, 4, 5, 6, 7, 8]])
+    cos, sin = model.model.rotary_emb(torch.zeros(1), positions)
+    q, k = random_qk(6)
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
+    with torch.no_grad():
+        q_rot, k_rot = wrapper(q, k, cos, sin)  # the module's own pair: ropelib rotates by +theta
+        assert ropelib_calls[0] == 1
+        want = original(q_rot, k_rot, cos, -sin)
+        got = wrapper(q_rot, k_rot, cos, -sin)
+    assert ropelib_calls[0] == 1  # the inverse went to transformers' function
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    # and it is the inverse: R(-theta) R(theta) q = q, to float32 rounding of |q| ~ 4 (two rotations)
+    assert torch.allclose(got[0], q, atol=1e-5, rtol=0.0) and torch.allclose(got[1], k, atol=1e-5, rtol=0.0)
+    unpatch_hf_rope(model)
+
+
+def test_sin_of_another_call_goes_to_transformers(monkeypatch: pytest.MonkeyPatch) -> None:
+    # cos of one call with sin of another (of other positions) are not a pair the module returned.
+    model, wrapper, original = patched_llama_apply()
+    rotary = model.model.rotary_emb
+    cos, _ = rotary(torch.zeros(1), torch.arange(6)[None])
+    _, sin_elsewhere = rotary(torch.zeros(1), torch.arange(6)[None] + 10)
+    q, k = random_qk(6)
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
+    with torch.no_grad():
+        want = original(q, k, cos, sin_elsewhere)
+        got = wrapper(q, k, cos, sin_elsewhere)
+    assert ropelib_calls[0] == 0
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    unpatch_hf_rope(model)
+
+
+@pytest.mark.parametrize("changed", ["cos", "sin"])
+def test_tables_changed_in_place_are_applied_as_changed(changed: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    # A caller that scales the returned tables in place (cos.mul_(0.5)) gets transformers' rotation by the
+    # scaled tables, not ropelib's float tables from before the change.
+    model, wrapper, original = patched_llama_apply()
+    positions = torch.arange(7)[None] + 2
+    cos, sin = model.model.rotary_emb(torch.zeros(1), positions)
+    q, k = random_qk(7)
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
+    with torch.no_grad():
+        # unchanged: ropelib's rotation, equal to transformers' to float32 rounding (same float32 tables)
+        unchanged = wrapper(q, k, cos, sin)
+        assert ropelib_calls[0] == 1
+        for have, want in zip(unchanged, original(q, k, cos, sin)):
+            assert torch.allclose(have, want, atol=1e-5, rtol=0.0)
+        (cos if changed == "cos" else sin).mul_(0.5)
+        want = original(q, k, cos, sin)
+        got = wrapper(q, k, cos, sin)
+    assert ropelib_calls[0] == 1  # the changed tables went to transformers' function
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert (got[0] - unchanged[0]).abs().max() > 0.1  # the change matters
+    unpatch_hf_rope(model)
+
+
+def test_inference_mode_prefill_matches_unpatched(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Under torch.inference_mode the returned tables are inference tensors, which have no version counter
+    # (reading one raises): the patched model must still run, be served by ropelib, and agree.
+    reference = tiny_model("llama", "yarn")
+    patched = patched_copy(reference)
+    ids, mask = left_padded_batch([12, 7], total=12)
+    kwargs = {"attention_mask": mask, "position_ids": positions_from_mask(mask)}
+    ropelib_calls = count_ropelib_rotations(monkeypatch)
+    with torch.inference_mode():
+        expected = reference(ids, **kwargs).logits
+        got = patched(ids, **kwargs).logits
+    assert_logits_close(expected, got, mask)
+    assert ropelib_calls[0] == 2  # both layers went through ropelib
 
 
 def test_unpatched_model_in_same_process_is_bitwise_unchanged() -> None:
@@ -334,7 +443,7 @@ def test_unpatched_model_in_same_process_is_bitwise_unchanged() -> None:
 def test_unpatch_restores_modules_functions_and_logits() -> None:
     from transformers.models.llama import modeling_llama
 
-    original_function = modeling_llama.apply_rotary_pos_emb
+    original_function = hf.probes.unwrapped(modeling_llama, "apply_rotary_pos_emb")  # transformers' own
     model = tiny_model("llama", "yarn")
     original_module = model.model.rotary_emb
     ids, _ = left_padded_batch([12], total=12)
@@ -443,8 +552,8 @@ def test_rejects_non_modules_and_models_without_rope() -> None:
         patch_hf_rope("llama")  # type: ignore[type-var]
     with pytest.raises(ValueError, match="RotaryEmbedding"):
         patch_hf_rope(torch.nn.Linear(2, 2))
-    with pytest.raises(ValueError, match="backend"):
-        patch_hf_rope(tiny_model("llama"), backend="cuda")
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        patch_hf_rope(tiny_model("llama"), kernel="cuda")
 
 
 def test_rejects_per_layer_rope_parameters_and_leaves_model_unchanged() -> None:
@@ -710,7 +819,7 @@ def test_qwen_vl_multimodal_positions_match_unpatched(name: str) -> None:
     # each frequency pair takes the position of its axis, in transformers as in ropelib.
     reference = new_family_model(name)
     patched = patched_copy(reference)
-    positions = ropelib.mrope.mrope_positions([3, (1, 4, 6), 4], spatial_merge_size=2)[:, None].expand(3, 2, -1)
+    positions = ropelib.rotary.mrope.mrope_positions([3, (1, 4, 6), 4], spatial_merge_size=2)[:, None].expand(3, 2, -1)
     ids, _ = left_padded_batch([13, 13], total=13)
     with torch.no_grad():
         expected = reference(ids, position_ids=positions).logits
@@ -757,7 +866,8 @@ def test_unpatch_restores_other_signatures(name: str) -> None:
 
     py_module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
     apply_name = "apply_rotary_emb" if name == "llama4" else "apply_rotary_pos_emb"
-    original_function = getattr(py_module, apply_name)
+    # transformers' own function (an earlier test may have left ropelib's wrapper, with no users, in place)
+    original_function = hf.probes.unwrapped(py_module, apply_name)
     model = new_family_model(name)
     original_module = model.model.rotary_emb if name == "llama4" else model.transformer.rotary_emb
     ids, _ = left_padded_batch([8], total=8)
@@ -812,5 +922,11 @@ def test_every_output_form_holds_the_same_angles(output: str) -> None:
         cos, sin = cos[..., :8], sin[..., :8]
     assert torch.allclose(cos.double(), want_cos[:, :8], atol=1e-7, rtol=0.0)
     assert torch.allclose(sin.double(), want_sin[:, :8], atol=1e-7, rtol=0.0)
-    key = out if output == "complex" else out[0]
-    assert rotary.tables_of(key) is not None and rotary.tables_of(torch.zeros(1)) is None
+    # The patched apply recognises exactly these tensors, returned together (sin first for GPT-J's "sin_cos").
+    returned = (out,) if output == "complex" else out
+    assert hf.module.returned_tables(*returned) is not None
+    assert hf.module.returned_tables(torch.zeros(1)) is None
+    if output != "complex":  # one of the two alone, or beside another tensor, is not what the module returned
+        assert hf.module.returned_tables(out[0]) is None
+        assert hf.module.returned_tables(out[0], out[1].clone()) is None
+        assert hf.module.returned_tables(out[1], out[0]) is None

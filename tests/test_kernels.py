@@ -1,9 +1,9 @@
-"""The fused RoPE kernels (ropelib.kernels) against the float64 rotation-matrix reference of conftest.py.
+"""The fused RoPE kernels (ropelib.kernels) against the float64 rotation-matrix reference of references.py.
 
-Both kernels run here: the PyTorch path, and the Triton kernel (natively on a GPU, in Triton's
-interpreter on a CPU, where every program costs milliseconds: the shapes are tiny, a few dozen
-programs per launch). Expected values come from ``conftest.rotate_ref`` (one explicit float64
-2x2 rotation per pair and position), never from ropelib.
+Every kernel runs here: the PyTorch kernel, the native C loop (on the CPU), and the Triton kernel
+(natively on a GPU, in Triton's interpreter on a CPU, where every program costs milliseconds: the
+shapes are tiny, a few dozen programs per launch). Expected values come from
+``references.rotate_ref`` (one explicit float64 2x2 rotation per pair and position), never from ropelib.
 """
 
 from __future__ import annotations
@@ -12,13 +12,14 @@ import pytest
 import torch
 
 from ropelib import RotaryEmbedding, default_device
-from ropelib.kernels import choose_kernel, rotary_qk
-from ropelib.kernels.ops import _rotary_qk_op
+from ropelib.kernels import choose_kernel, native_build, rotary_qk
 
 from references import EPS, rotate_ref
 
 DEVICE = default_device()
-KERNEL = pytest.mark.parametrize("kernel", ["torch", "triton"])
+#: The kernels that run on this machine's device: the native C loop is the CPU's.
+KERNELS = ["torch", "triton"] + (["native"] if DEVICE.type == "cpu" and native_build.enabled() else [])
+KERNEL = pytest.mark.parametrize("kernel", KERNELS)
 LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
 THETA = 10000.0
 
@@ -151,7 +152,7 @@ def test_backward_is_the_inverse_rotation(layout: str) -> None:
 
 @KERNEL
 def test_torch_compile_traces_without_graph_break(kernel: str) -> None:
-    rope = RotaryEmbedding(8, backend=kernel)
+    rope = RotaryEmbedding(8, kernel=kernel)
     q = torch.randn(1, 4, 2, 8, device=DEVICE, requires_grad=True)
     k = torch.randn(1, 4, 1, 8, device=DEVICE)
 
@@ -175,31 +176,29 @@ def test_torch_compile_traces_without_graph_break(kernel: str) -> None:
     )
 
 
-def test_operator_registrations_are_consistent() -> None:
-    # torch.library.opcheck: schema, fake (meta) function, autograd registration agree with the kernel.
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("frequencies", [False, True])
+def test_operator_registrations_are_consistent(inplace: bool, frequencies: bool) -> None:
+    # torch.library.opcheck: schema (with what it mutates), fake function, autograd registration and
+    # AOT dispatch agree with the kernel, for both operators, with and without rows past the table.
     cos, sin = tables(8, 8)
-    args = (
-        torch.randn(1, 3, 2, 8, requires_grad=True),
-        torch.randn(1, 3, 1, 8),
-        cos,
-        sin,
-        torch.tensor([0, 1, 2]).expand(1, 3),
-        False,
-        False,
-        "torch",
-    )
-    torch.library.opcheck(
-        _rotary_qk_op, args, test_utils=("test_schema", "test_autograd_registration", "test_faketensor")
-    )
+    rope = RotaryEmbedding(8, theta=THETA)
+    freq = rope.cache.tables(cos.device, torch.float32).frequencies if frequencies else None
+    positions = torch.tensor([0, 1, 20 if frequencies else 2], device=DEVICE)
+    q = torch.randn(1, 3, 2, 8, device=DEVICE)
+    q = q.requires_grad_() if not inplace else q
+    args = (q, torch.randn(1, 3, 1, 8, device=DEVICE), cos, sin, positions, freq, None, False, False, "auto")
+    op = torch.ops.ropelib.rotary_.default if inplace else torch.ops.ropelib.rotary.default
+    torch.library.opcheck(op, args)
 
 
-# ----------------------------------------------------------------------------- the module's backends
+# ----------------------------------------------------------------------------- the module's kernels
 
 
-@pytest.mark.parametrize("backend", ["auto", "torch", "triton"])
+@pytest.mark.parametrize("kernel", ["auto", *KERNELS])
 @LAYOUT
-def test_rotary_embedding_backends(backend: str, layout: str) -> None:
-    rope = RotaryEmbedding(8, layout=layout, rotary_dim=6, backend=backend)
+def test_rotary_embedding_kernels(kernel: str, layout: str) -> None:
+    rope = RotaryEmbedding(8, layout=layout, rotary_dim=6, kernel=kernel)
     q, k = torch.randn(2, 3, 4, 8), torch.randn(2, 3, 2, 8)
     pos = torch.tensor([[0, 30, 2], [7, 7, 1]])
     q2, k2 = rope(q.to(DEVICE), k.to(DEVICE), pos)
@@ -208,11 +207,17 @@ def test_rotary_embedding_backends(backend: str, layout: str) -> None:
 
 
 def test_choose_kernel() -> None:
-    assert choose_kernel("auto", torch.device("cpu")) == "torch"
+    assert choose_kernel("auto", torch.device("cpu")) == ("native" if native_build.enabled() else "torch")
+    assert choose_kernel("auto", "cpu", torch.int8 if False else torch.float64) in ("native", "torch")
     assert choose_kernel("auto", torch.device("cuda")) == "triton"
-    assert choose_kernel("triton", torch.device("cpu")) == "triton"
-    with pytest.raises(ValueError, match="kernel"):
+    assert choose_kernel("triton", torch.device("cpu")) == "triton"  # forced: the interpreter
+    assert choose_kernel("torch", "cuda") == "torch"
+    with pytest.raises(RuntimeError, match="does not run"):
+        choose_kernel("native", torch.device("cuda"))  # a C loop for the CPU only
+    with pytest.raises(ValueError, match="kernel must be one of"):
         choose_kernel("cuda", torch.device("cpu"))
+    with pytest.raises(TypeError, match="dtype must be a torch.dtype"):
+        choose_kernel("auto", "cpu", "float32")  # type: ignore[arg-type]
 
 
 # ----------------------------------------------------------------------------- validation

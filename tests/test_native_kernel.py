@@ -1,250 +1,189 @@
-"""The compiled C loop on the CPU (ropelib.kernels.native_kernel): same rotation, built off the caller's path, eager fallback.
+"""The native CPU kernel (ropelib.kernels.native_kernel): the rotation matrices, and the PyTorch kernel's bits.
 
-Expected values come from ``references.rotate_ref`` (float64 rotation matrices), never from
-ropelib. ``built`` waits for the library; ``eager`` forces the fallback; ``fresh`` starts from an
-empty build state, to watch a build begin.
+Expected values come from ``references.rotate_ref`` (explicit float64 2x2 rotations) or, for the
+bitwise checks, from the PyTorch kernel (``kernel="torch"``, PyTorch's own operations): the two
+kernels compute one expression, ``(a c - b s, b c + a s)`` with every product and sum rounded, so
+they must agree bit for bit.
 """
 
 from __future__ import annotations
-
-import threading
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropelib import RotaryEmbedding
-from ropelib.kernels import native_kernel, rotary_qk, torch_kernel
+from ropelib import RotaryEmbedding, rotary_qk
+from ropelib.kernels import native_build, native_kernel
 
-from references import rotate_ref
+from references import EPS, rotate_ref
 
+pytestmark = pytest.mark.skipif(not native_build.enabled(), reason="no C compiler: the native kernel is off")
 THETA = 10000.0
-COMPILER = pytest.mark.skipif(not native_kernel.enabled(), reason="no C compiler: the compiled path is off")
+DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
+LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
 
 
-@pytest.fixture
-def built(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 0)  # not the decoding path
-    native_kernel.functions()
-    assert native_kernel.wait(120) is True
+def tables(rotary_dim: int, length: int, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """The tables the kernels read (input data, not expected values)."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    return RotaryEmbedding(rotary_dim, theta=THETA).cos_sin(torch.arange(length), compute)
 
 
-@pytest.fixture
-def fresh(monkeypatch: pytest.MonkeyPatch) -> native_kernel._Library:
-    library = native_kernel._Library()
-    monkeypatch.setattr(native_kernel, "_LIBRARY", library)
-    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 0)
-    return library
+def bound(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """One unit in the last place of the output (its one rounding) plus 8 float32 ulps of max|x| for
+    the float32 tables, products and sum (float64: 8 float64 ulps)."""
+    compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+    return EPS[x.dtype] * ref.abs() + 8 * EPS[compute] * x.double().abs().max()
 
 
-def inputs(rotary_dim: int = 16, dtype: torch.dtype = torch.float32, length: int = 40) -> tuple[torch.Tensor, ...]:
-    q, k = torch.randn(2, 6, 4, 16, dtype=dtype), torch.randn(2, 6, 2, 16, dtype=dtype)
-    rope = RotaryEmbedding(rotary_dim, theta=THETA)
-    cos, sin = rope.cos_sin(torch.arange(length), dtype) if dtype == torch.float64 else rope.cos_sin_cache(length)
-    positions = torch.tensor([[0, 3, 39, 7, 7, 1], [1, 2, 3, 4, 5, 6]])
-    return q, k, cos[:length], sin[:length], positions
-
-
-def assert_rotated(out: tuple[torch.Tensor, ...], q: torch.Tensor, k: torch.Tensor, positions, r: int, layout="half"):
-    # float32 tables and products on inputs of size ~4: a few float32 ulps of |x| (1e-6 each)
-    for got, x in zip(out, (q, k)):
-        ref = rotate_ref(x, positions, theta=THETA, rotary_dim=r, layout=layout)
-        assert got.dtype == x.dtype
-        assert (got.double() - ref).abs().max().item() < 1e-5
-
-
-def counted(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
-    """Record what each native_kernel.rotate_qk call returned (True: the C loop did the work)."""
-    served: list[bool] = []
-    inner = native_kernel.rotate_qk
-
-    def spy(*args: object, **kwargs: object) -> bool:
-        served.append(inner(*args, **kwargs))  # type: ignore[arg-type]
-        return served[-1]
-
-    monkeypatch.setattr(native_kernel, "rotate_qk", spy)
-    return served
-
-
-@COMPILER
-@pytest.mark.parametrize("layout", ["half", "interleaved"])
-@pytest.mark.parametrize("rotary_dim", [16, 12])
+@LAYOUT
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [16, 10])  # all features, and a partial rotation with an odd pair count
 @pytest.mark.parametrize("inplace", [False, True])
-def test_the_c_loop_matches_the_reference(
-    built: None, layout: str, rotary_dim: int, inplace: bool, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    served = counted(monkeypatch)
-    q, k, cos, sin, positions = inputs(rotary_dim)
-    out = rotary_qk(q.clone(), k.clone(), cos, sin, positions, layout=layout, inplace=inplace)
-    assert_rotated(out, q, k, positions, rotary_dim, layout)
-    assert served == [True]
+def test_matches_the_rotation_matrices(layout: str, dtype: torch.dtype, rotary_dim: int, inplace: bool) -> None:
+    q, k = torch.randn(2, 3, 4, 16).to(dtype), torch.randn(2, 3, 1, 16).to(dtype)
+    positions = torch.tensor([[0, 17, 39], [5, 5, 2]])
+    cos, sin = tables(rotary_dim, 40, dtype)
+    q_in, k_in = q.clone(), k.clone()
+    out = rotary_qk(q_in, k_in, cos, sin, positions, layout=layout, kernel="native", inplace=inplace)
+    for got, x in zip(out, (q, k)):
+        ref = rotate_ref(x, positions, theta=THETA, layout=layout, rotary_dim=rotary_dim)
+        assert got.dtype == dtype
+        assert bool(((got.double() - ref).abs() <= bound(x, ref)).all())
+    if inplace:
+        assert out[0] is q_in and out[1] is k_in
 
 
-@COMPILER
-def test_strided_inputs_float64_and_a_broadcast_row_of_positions(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    served = counted(monkeypatch)
-    q64, k64, cos, sin, _ = inputs(16, torch.float64)
-    q = torch.randn(2, 4, 6, 16, dtype=torch.float64).transpose(1, 2)  # [B, S, H, D] with heads outermost
-    positions = torch.tensor([4, 0, 39, 2, 2, 9])  # [S]: one row for the whole batch (a stride-0 view inside)
-    out = rotary_qk(q, k64, cos, sin, positions)
-    # float64 all the way: rounding of order 1e-15
-    for got, x in zip(out, (q, k64)):
-        assert (got - rotate_ref(x, positions, theta=THETA)).abs().max().item() < 1e-12
-    assert served == [True]
+@st.composite
+def calls(draw: st.DrawFn) -> dict:
+    """A random call: shape, dtype, layout, partial rotation, positions, direction, in place or not."""
+    head_dim = 2 * draw(st.integers(1, 40))
+    pairs = draw(st.integers(1, head_dim // 2))
+    return {
+        "batch": draw(st.integers(1, 3)),
+        "seq": draw(st.integers(1, 9)),
+        "q_heads": draw(st.integers(1, 5)),
+        "k_heads": draw(st.integers(1, 3)),
+        "head_dim": head_dim,
+        "rotary_dim": 2 * pairs,
+        "dtype": draw(st.sampled_from(DTYPES)),
+        "layout": draw(st.sampled_from(["half", "interleaved"])),
+        "conjugate": draw(st.booleans()),
+        "inplace": draw(st.booleans()),
+        "seed": draw(st.integers(0, 2**16)),
+    }
 
 
-@COMPILER
-@settings(max_examples=20, deadline=None)
-@given(
-    st.integers(1, 3),
-    st.integers(1, 9),
-    st.integers(1, 4),
-    st.sampled_from([2, 4, 8, 10, 64]),
-    st.booleans(),
-    st.booleans(),
-)
-def test_threads_split_tokens_without_changing_a_value(
-    batch: int, seq: int, heads: int, head_dim: int, interleaved: bool, conjugate: bool
-) -> None:
-    # property: the work split between threads (every call split, PARALLEL_ELEMENTS 0) gives the
-    # result of one thread bit for bit, and the inverse rotation undoes the rotation
-    native_kernel.functions()
-    assert native_kernel.wait(120)
-    q, k = torch.randn(batch, seq, heads, head_dim), torch.randn(batch, seq, 1, head_dim)
-    cos, sin = RotaryEmbedding(head_dim).cos_sin_cache(16)
-    positions = torch.randint(0, 16, (batch, seq))
-    outs = []
-    for threshold in (0, 1 << 40):
-        pair = (torch.empty_like(q), torch.empty_like(k))
-        old, native_kernel.PARALLEL_ELEMENTS = native_kernel.PARALLEL_ELEMENTS, threshold
-        try:
-            assert native_kernel.rotate_qk(
-                q, k, *pair, cos, sin, positions, interleaved=interleaved, conjugate=conjugate
-            )
-        finally:
-            native_kernel.PARALLEL_ELEMENTS = old
-        outs.append(pair)
-    assert all(torch.equal(a, b) for a, b in zip(*outs))
-    back = (torch.empty_like(q), torch.empty_like(k))
-    assert native_kernel.rotate_qk(
-        *outs[0], *back, cos, sin, positions, interleaved=interleaved, conjugate=not conjugate
+@settings(max_examples=150, deadline=None)
+@given(calls())
+def test_gives_the_pytorch_kernels_bits(call: dict) -> None:
+    gen = torch.Generator().manual_seed(call["seed"])
+    b, s, d = call["batch"], call["seq"], call["head_dim"]
+    q = (torch.randn(b, s, call["q_heads"], d, generator=gen) * 10).to(call["dtype"])
+    k = (torch.randn(b, s, call["k_heads"], d, generator=gen) * 10).to(call["dtype"])
+    cos, sin = tables(call["rotary_dim"], 50, call["dtype"])
+    positions = torch.randint(0, 50, (b, s), generator=gen)
+    outs = {}
+    for kernel in ("torch", "native"):
+        q_in, k_in = q.clone(), k.clone()
+        outs[kernel] = rotary_qk(
+            q_in,
+            k_in,
+            cos,
+            sin,
+            positions,
+            layout=call["layout"],
+            conjugate=call["conjugate"],
+            inplace=call["inplace"],
+            kernel=kernel,
+        )
+    assert torch.equal(outs["torch"][0], outs["native"][0]) and torch.equal(outs["torch"][1], outs["native"][1])
+
+
+@pytest.mark.parametrize("few", [True, False])
+def test_decoding_paths_give_the_same_bits(few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The PyTorch kernel rotates a decoding step in list operations (FEW_ELEMENTS) and larger calls
+    # block by block; both must give the native kernel's bits.
+    from ropelib.kernels import torch_kernel
+
+    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 1 << 30 if few else 0)
+    q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
+    cos, sin = tables(128, 1001)
+    for layout in ("half", "interleaved"):
+        want = rotary_qk(q, k, cos, sin, torch.tensor([[1000]]), layout=layout, kernel="native")
+        got = rotary_qk(q, k, cos, sin, torch.tensor([[1000]]), layout=layout, kernel="torch")
+        assert torch.equal(want[0], got[0]) and torch.equal(want[1], got[1])
+
+
+def test_the_thread_split_changes_no_bit(monkeypatch: pytest.MonkeyPatch) -> None:
+    q, k = torch.randn(2, 64, 8, 64), torch.randn(2, 64, 2, 64)
+    cos, sin = tables(64, 64)
+    monkeypatch.setattr(native_kernel, "PARALLEL_ELEMENTS", 1 << 40)  # one thread
+    one = rotary_qk(q, k, cos, sin, kernel="native")
+    monkeypatch.setattr(native_kernel, "PARALLEL_ELEMENTS", 0)  # torch.get_num_threads() threads
+    many = rotary_qk(q, k, cos, sin, kernel="native")
+    assert torch.equal(one[0], many[0]) and torch.equal(one[1], many[1])
+
+
+@LAYOUT
+def test_an_output_with_other_strides_than_its_input(layout: str) -> None:
+    # The loop reads and writes by each tensor's own strides: a contiguous input rotated into a
+    # [B, H, S, D]-ordered output (transposed view) and a strided input into a contiguous output.
+    q, k = torch.randn(2, 5, 3, 8), torch.randn(2, 5, 1, 8)
+    cos, sin = tables(8, 5)
+    positions = torch.arange(5)
+    q_out = torch.empty(2, 3, 5, 8).transpose(1, 2)
+    k_out = torch.empty(2, 1, 5, 8).transpose(1, 2)
+    native_kernel.launch(q, k, q_out, k_out, cos, sin, positions, interleaved=layout == "interleaved", conjugate=False)
+    for got, x in ((q_out, q), (k_out, k)):
+        ref = rotate_ref(x, positions, theta=THETA, layout=layout)
+        assert bool(((got.double() - ref).abs() <= bound(x, ref)).all())
+    strided = torch.randn(2, 3, 5, 8).transpose(1, 2)  # [B, S, H, D] with the heads' stride first
+    out = torch.empty(2, 5, 3, 8)
+    native_kernel.launch(
+        strided, k, out, k_out, cos, sin, positions, interleaved=layout == "interleaved", conjugate=False
     )
-    for x, y in zip((q, k), back):
-        assert (x - y).abs().max().item() < 1e-5  # two float32 rotations of |x| ~ 4
+    ref = rotate_ref(strided, positions, theta=THETA, layout=layout)
+    assert bool(((out.double() - ref).abs() <= bound(strided, ref)).all())
 
 
-@COMPILER
-def test_gradients_through_the_operator(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    # the custom operator's forward and backward (the inverse rotation) both run the C loop
-    served = counted(monkeypatch)
-    q, k, cos, sin, positions = inputs(12, torch.float64)
-    q.requires_grad_(True)
-    k.requires_grad_(True)
-    assert torch.autograd.gradcheck(lambda a, b: rotary_qk(a, b, cos, sin, positions), (q, k))
-    assert served and all(served)
+@pytest.mark.parametrize("inplace", [False, True])
+def test_a_feature_stride_other_than_one(inplace: bool) -> None:
+    # The loop reads features at unit stride; the operator hands it a unit-stride copy of a tensor whose
+    # features are spaced (every other feature of a buffer), and writes the result back in place.
+    buffer, k = torch.randn(1, 4, 2, 16), torch.randn(1, 4, 1, 8)
+    q = buffer[..., ::2]
+    assert q.stride(-1) == 2
+    cos, sin = tables(8, 4)
+    want = rotate_ref(q, torch.arange(4), theta=THETA)
+    out, _ = rotary_qk(q, k, cos, sin, kernel="native", inplace=inplace)
+    assert bool(((out.double() - want).abs() <= bound(q, want)).all())
+    if inplace:
+        assert torch.equal(buffer[..., ::2], out) and out.data_ptr() == q.data_ptr()
 
 
-@COMPILER
-def test_positions_outside_the_table_raise_rather_than_read_past_it(built: None) -> None:
-    q, k, cos, sin, positions = inputs()
-    positions[1, 2] = 40  # the table has 40 rows; the public doors reject this earlier
-    with pytest.raises(IndexError, match=r"outside \[0, 40\)"):
-        native_kernel.rotate_qk(
-            q, k, torch.empty_like(q), torch.empty_like(k), cos, sin, positions, interleaved=False, conjugate=False
+def test_positions_outside_the_table_raise_rather_than_write() -> None:
+    # The operators' kernel hands the loop only positions inside its table (rows past it are
+    # computed first); the loop itself leaves any other token unwritten and reports it.
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+    cos, sin = tables(8, 4)
+    with pytest.raises(IndexError, match="outside the table"):
+        native_kernel.launch(
+            q, k, q.clone(), k.clone(), cos, sin, torch.tensor([0, 4]), interleaved=False, conjugate=False
         )
 
 
-@COMPILER
-def test_first_call_is_eager_and_starts_the_build(
-    fresh: native_kernel._Library, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    served = counted(monkeypatch)
-    q, k, cos, sin, positions = inputs()
-    assert_rotated(rotary_qk(q, k, cos, sin, positions), q, k, positions, 16)
-    assert served == [False]  # not built yet: the eager kernel served it
-    assert isinstance(fresh.state, (threading.Thread, dict))
-    assert native_kernel.wait(120) is True
-    assert_rotated(rotary_qk(q, k, cos, sin, positions), q, k, positions, 16)
-    assert served == [False, True]
-
-
-def test_a_failed_build_leaves_the_eager_kernel(fresh: native_kernel._Library, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(native_kernel, "compiler", lambda: "/bin/false")  # a "compiler" that always fails
-    monkeypatch.setenv(native_kernel.ENV, "1")
-    served = counted(monkeypatch)
-    q, k, cos, sin, positions = inputs()
-    assert_rotated(rotary_qk(q, k, cos, sin, positions), q, k, positions, 16)
-    assert native_kernel.wait(60) is False
-    assert fresh.state is False
-    assert_rotated(rotary_qk(q, k, cos, sin, positions, inplace=False), q, k, positions, 16)
-    assert served == [False, False] and fresh.state is False  # no second build
-
-
-def test_no_compiler_or_turned_off_never_builds(fresh: native_kernel._Library, monkeypatch: pytest.MonkeyPatch) -> None:
-    q, k, cos, sin, positions = inputs()
-    monkeypatch.setenv(native_kernel.ENV, "0")
-    assert native_kernel.enabled() is False
-    assert_rotated(rotary_qk(q, k, cos, sin, positions), q, k, positions, 16)
-    monkeypatch.setenv(native_kernel.ENV, "1")
-    monkeypatch.setattr(native_kernel, "compiler", lambda: None)
-    assert native_kernel.enabled() is False
-    assert_rotated(rotary_qk(q, k, cos, sin, positions, layout="interleaved"), q, k, positions, 16, "interleaved")
-    assert fresh.state is False  # looked at once: nothing started, nothing will be
-
-
-def test_low_precision_stays_on_the_eager_kernel(built: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    served = counted(monkeypatch)
-    q, k, cos, sin, positions = inputs()
-    out = rotary_qk(q.bfloat16(), k.bfloat16(), cos, sin, positions)
-    assert served == [False] and out[0].dtype == torch.bfloat16
-
-
-@COMPILER
-@pytest.mark.parametrize("hf_layout", [False, True])
-def test_one_position_in_one_call(built: None, hf_layout: bool, monkeypatch: pytest.MonkeyPatch) -> None:
-    # a decoding step: q [1, 1, 32, 128] (or Hugging Face's [1, 32, 1, 128], a transposed view), one
-    # wide row of the tables; the C call is used (the four list operations are not)
-    monkeypatch.setattr(torch_kernel, "FEW_ELEMENTS", 1 << 14)
-    fallback: list[int] = []
-    monkeypatch.setattr(native_kernel, "rotate_half_few", lambda *a: fallback.append(1))
-    q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
-    cos, sin = RotaryEmbedding(128, theta=THETA).cos_sin_cache(1001)
-    rows = torch_kernel.wide_rows(cos, sin, torch.tensor([[1000]]))
-    args = (q.transpose(1, 2), k.transpose(1, 2)) if hf_layout else (q, k)
-    out = native_kernel.rotate_few(*args, *rows)
-    if hf_layout:
-        out = tuple(t.transpose(1, 2) for t in out)
-    assert_rotated(out, q, k, torch.tensor([[1000]]), 128)
-    assert fallback == []
-
-
-@COMPILER
-def test_several_positions_take_the_list_operations(built: None) -> None:
-    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16)
-    cos, sin = RotaryEmbedding(16, theta=THETA).cos_sin_cache(40)
-    positions = torch.tensor([[3], [39]])
-    rows = torch_kernel.wide_rows(cos, sin, positions)  # [2, 1, 1, 16]: a row per batch entry
-    assert_rotated(native_kernel.rotate_few(q, k, *rows), q, k, positions, 16)
-
-
-@COMPILER
-def test_one_position_under_compile_traces_the_list_operations(built: None) -> None:
-    # the C call is invisible to a graph: compiled, the same function traces the four list
-    # operations, with no graph break, and gives the eager result within float32 rounding
-    q, k = torch.randn(1, 1, 32, 128), torch.randn(1, 1, 8, 128)
-    cos, sin = RotaryEmbedding(128, theta=THETA).cos_sin_cache(1001)
-    rows = torch_kernel.wide_rows(cos, sin, torch.tensor([[1000]]))
-    explained = torch._dynamo.explain(native_kernel.rotate_few)(q, k, *rows)
-    assert explained.graph_break_count == 0
-    compiled = torch.compile(native_kernel.rotate_few, fullgraph=True)(q, k, *rows)
-    assert_rotated(compiled, q, k, torch.tensor([[1000]]), 128)
-
-
-@COMPILER
-def test_tables_it_cannot_read_row_by_row_are_left_to_eager(built: None) -> None:
-    q, k, cos, sin, positions = inputs()
-    strided = torch.cat((cos, cos), -1)[:, ::2]  # a view of every other column: not contiguous
-    outs = (torch.empty_like(q), torch.empty_like(k))
-    assert not native_kernel.rotate_qk(q, k, *outs, strided, sin, positions, interleaved=False, conjugate=False)
-    assert not native_kernel.rotate_qk(q, k, *outs, cos, sin[:, :4], positions, interleaved=False, conjugate=False)
+def test_rows_past_the_table_are_the_rows_a_longer_table_holds() -> None:
+    # A position past the cache's rows gets its row computed from the float64 frequencies: the same
+    # bits as that row of a table long enough to hold it.
+    rope = RotaryEmbedding(16, theta=THETA)
+    q, k = torch.randn(1, 1, 4, 16), torch.randn(1, 1, 2, 16)
+    tables_ = rope.cache.tables(torch.device("cpu"), torch.float32, 100)
+    far = tables_.length + 37
+    got = torch.ops.ropelib.rotary(
+        q, k, tables_.cos, tables_.sin, torch.tensor([far]), tables_.frequencies, None, False, False, "native"
+    )
+    long_cos, long_sin = rope.cos_sin(torch.arange(far + 1))
+    want = rotary_qk(q, k, long_cos, long_sin, torch.tensor([far]), kernel="native")
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

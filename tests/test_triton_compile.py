@@ -27,7 +27,8 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from ropelib.kernels.triton_kernel import rotary_qk_kernel as fn
 
-POINTERS = {"Q": "*{t}", "K": "*{t}", "Q_OUT": "*{t}", "K_OUT": "*{t}", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64"}
+POINTERS = {"Q": "*{t}", "K": "*{t}", "Q_OUT": "*{t}", "K_OUT": "*{t}", "COS": "*fp32", "SIN": "*fp32", "POS": "*i64",
+            "FREQ": "*fp64"}
 # What Triton's launcher specializes at run time for contiguous tensors whose sizes are multiples
 # of 16: 16-byte aligned pointers and strides divisible by 16 (positions have stride 0/1 and are left out).
 ALIGNED = set(POINTERS) | {n for n in fn.arg_names if n.startswith("stride_") and n not in ("stride_pb", "stride_ps")}
@@ -44,12 +45,14 @@ for case in cases:
             sig[name] = "i32"
     attrs = {(fn.arg_names.index(n),): [["tt.divisibility", 16]] for n in ALIGNED}
     src = ASTSource(fn=fn, signature=sig, constexprs=case["constexprs"], attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32))
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"enable_fp_fusion": False})
     ptx = kernel.asm["ptx"]
     out.append({
         "cubin_bytes": len(kernel.asm["cubin"]),
         "ops": sorted(set(re.findall(r"(?:ld|st)\.global(?:\.v\d)?\.b\d+", ptx))),
         "target": re.search(r"\.target\s+(\w+)", ptx).group(1),
+        "fused_multiply_adds": len(re.findall(r"\bfma\.rn\.f32", ptx)),
+        "float64_cosines": "cos" in ptx or "sin" in ptx or "__nv_cos" in ptx,
     })
 print(json.dumps(out))
 """
@@ -68,6 +71,7 @@ def constexprs(interleaved: bool, rotary_dim: int, head_dim: int = 128) -> dict:
         "COPY_REST": rest > 0,
         "VARLEN": False,
         "SEARCH_STEPS": 1,
+        "HAS_FREQ": False,
     }
 
 
@@ -77,6 +81,7 @@ CASES = [
     {"dtype": "fp32", "constexprs": {**constexprs(False, 64), "CONJUGATE": True}},
     {"dtype": "fp16", "constexprs": constexprs(True, 64)},
     {"dtype": "bf16", "constexprs": {**constexprs(False, 128), "VARLEN": True, "SEARCH_STEPS": 4}},  # packed rows
+    {"dtype": "bf16", "constexprs": {**constexprs(False, 128), "HAS_FREQ": True}},  # rows past the table
 ]
 
 
@@ -111,3 +116,11 @@ def test_q_and_k_rows_move_in_16_byte_vectors(compiled: list[dict], index: int) 
     ops = compiled[index]["ops"]
     assert "ld.global.v4.b32" in ops, ops
     assert "st.global.v4.b32" in ops, ops
+
+
+@pytest.mark.parametrize("index", range(len(CASES)))
+def test_products_and_sums_are_rounded_apart(compiled: list[dict], index: int) -> None:
+    # a c - b s with a rounding after each product and after the sum, as the PyTorch kernel computes
+    # it on a GPU: no fused multiply-add of float32 in the rotation (ropelib launches with
+    # enable_fp_fusion=False, as compiled here).
+    assert compiled[index]["fused_multiply_adds"] == 0

@@ -15,6 +15,7 @@ is the attention layer's ``encoding`` attribute, which they receive with the lay
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Any, ClassVar, Protocol, cast
 
 import torch
@@ -189,12 +190,14 @@ class ShawPlug(PositionPlug):
 
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
-PLUGS: dict[str, type[PositionPlug]] = {
-    "none": PositionPlug,
-    "sinusoidal": SinusoidalPlug,
-    "learned": LearnedPlug,
-    "t5": T5Plug,
-    "alibi": AlibiPlug,
-    "shaw": ShawPlug,
-    "rope": RotaryPlug,
-}
+PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
+    {
+        "none": PositionPlug,
+        "sinusoidal": SinusoidalPlug,
+        "learned": LearnedPlug,
+        "t5": T5Plug,
+        "alibi": AlibiPlug,
+        "shaw": ShawPlug,
+        "rope": RotaryPlug,
+    }
+)

@@ -19,6 +19,7 @@ checking, not for speed). Tensors here are ``[batch, heads, seq, head_dim]``, as
 
 from __future__ import annotations
 
+import functools
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -81,7 +82,10 @@ def materialized_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     return F.scaled_dot_product_attention(q, k, v, attn_mask=bias.to(q.dtype))
 
 
-_COMPILED_FLEX: list[Any] = []
+@functools.cache
+def _compiled_flex_attention() -> Any:
+    """One ``torch.compile(flex_attention)`` for every call (compiled graphs are process-wide, as torch's own)."""
+    return torch.compile(flex_attention)
 
 
 def flex_bias_attention(
@@ -100,9 +104,7 @@ def flex_bias_attention(
 
     _check_qkv(q, k, v)
     if compiled:
-        if not _COMPILED_FLEX:
-            _COMPILED_FLEX.append(torch.compile(flex_attention))
-        return _COMPILED_FLEX[0](q, k, v, score_mod=score_mod)
+        return _compiled_flex_attention()(q, k, v, score_mod=score_mod)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return flex_attention(q, k, v, score_mod=score_mod)

@@ -39,6 +39,7 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 
@@ -63,12 +64,14 @@ COMMON_FLAGS = ("-ffp-contract=off", "-fno-fast-math", "-fopenmp-simd", "-std=gn
 #: despite ``-ffp-contract=off``; the loops are vectorized by the loop vectorizer all the same.
 GCC_FLAGS = ("-fno-tree-slp-vectorize",)
 #: The entry points, by the dtype they rotate.
-ENTRY_POINTS = {
-    torch.float32: "ropelib_rotate_f32",
-    torch.float64: "ropelib_rotate_f64",
-    torch.bfloat16: "ropelib_rotate_bf16",
-    torch.float16: "ropelib_rotate_f16",
-}
+ENTRY_POINTS = MappingProxyType(
+    {
+        torch.float32: "ropelib_rotate_f32",
+        torch.float64: "ropelib_rotate_f64",
+        torch.bfloat16: "ropelib_rotate_bf16",
+        torch.float16: "ropelib_rotate_f16",
+    }
+)
 
 _POINTERS = ("q", "k", "q_out", "k_out", "cos", "sin", "pos")
 _SIZES = ("batch", "seq", "dim", "r2", "length", "q_heads", "k_heads")

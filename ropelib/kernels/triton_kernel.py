@@ -179,13 +179,15 @@ def rotary_qk_kernel(  # type: ignore[no-untyped-def]
     else:
         pos = tl.load(POS + b * stride_pb + s * stride_ps)
     # a row of the table; the host checks the range, or FREQ covers the rest
+    inside = (pos >= 0) & (pos < table_len)
     row = tl.minimum(tl.maximum(pos, 0), table_len - 1)
     pairs = tl.arange(0, BLOCK_R2)
     pair_ok = pairs < ROTARY_DIM // 2
-    cos = tl.load(COS + row * stride_table + pairs, mask=pair_ok, other=0.0)
-    sin = tl.load(SIN + row * stride_table + pairs, mask=pair_ok, other=0.0)
+    row_ok = pair_ok & inside
+    cos = tl.load(COS + row * stride_table + pairs, mask=row_ok, other=0.0)
+    sin = tl.load(SIN + row * stride_table + pairs, mask=row_ok, other=0.0)
     if HAS_FREQ:
-        if (pos < 0) | (pos >= table_len):
+        if not inside:
             # beyond the table: the row from the float64 frequencies,
             # as the table's rows were made, then the attention factor
             inv = tl.load(FREQ + pairs, mask=pair_ok, other=0.0)

@@ -110,19 +110,21 @@ class TableCache:
     def tables(self, device: torch.device, dtype: torch.dtype, length: int | None = None) -> Tables:
         """The tables on ``device`` in ``dtype`` (float32 or float64), with at least ``min(length, limit)`` rows.
 
-        ``length=None``: whatever the device has (or :data:`INITIAL_POSITIONS` rows at first).
-        Under :func:`torch.compile` nothing grows (a table made there is not kept).
+        ``length=None``, or a length past the limit (whose far rows are computed, not tabled):
+        whatever the device has (or :data:`INITIAL_POSITIONS` rows at first). Under
+        :func:`torch.compile` nothing grows (a table made there is not kept).
         """
         if length is not None and self.spec.follows_length:
             self.follow(length)
+        if length is not None and length > self.limit:
+            length = None
         state = self._state
         found = state.tables.get((device, dtype))
-        wanted = INITIAL_POSITIONS if length is None else length
-        wanted = min(wanted, self.limit)
+        wanted = min(INITIAL_POSITIONS if length is None else length, self.limit)
         if found is not None and (length is None or found.length >= wanted):
             return found
-        if torch.compiler.is_compiling():
-            return found if found is not None else self._make(state, device, dtype, 0)
+        if torch.compiler.is_compiling():  # traced: a table made here is made at every call, and not kept
+            return found if found is not None else self._make(state, device, dtype, wanted)
         with self._lock:
             state = self._state
             found = state.tables.get((device, dtype))

@@ -23,6 +23,7 @@ import functools
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -120,14 +121,16 @@ class Signature:
 
 
 #: The signatures of apply functions, by name.
-SIGNATURES: dict[str, Signature] = {
-    s.name: s
-    for s in (
-        Signature("qk_cos_sin", _run_qk_cos_sin, _probe_qk_cos_sin),
-        Signature("tensor_sin_cos", _run_tensor_sin_cos, _probe_tensor_sin_cos),
-        Signature("qk_freqs", _run_qk_freqs, _probe_qk_freqs),
-    )
-}
+SIGNATURES: MappingProxyType[str, Signature] = MappingProxyType(
+    {
+        s.name: s
+        for s in (
+            Signature("qk_cos_sin", _run_qk_cos_sin, _probe_qk_cos_sin),
+            Signature("tensor_sin_cos", _run_tensor_sin_cos, _probe_tensor_sin_cos),
+            Signature("qk_freqs", _run_qk_freqs, _probe_qk_freqs),
+        )
+    }
+)
 
 
 class RopelibApply:
