@@ -85,6 +85,8 @@ def materialized_bias_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
 @functools.cache
 def _compiled_flex_attention() -> Any:
     """One ``torch.compile(flex_attention)`` for every call (compiled graphs are process-wide, as torch's own)."""
+    from torch.nn.attention.flex_attention import flex_attention
+
     return torch.compile(flex_attention)
 
 
