@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -13,6 +14,7 @@ import pytest
 import torch
 
 from ropelib.bench import main, parse_shape, rope_bytes
+from ropelib.bench.rope import FRESH_ROOF, INPLACE_ROOF
 
 ROOT = Path(__file__).resolve().parents[1]
 FIELDS = {
@@ -25,8 +27,8 @@ FIELDS = {
     "times_ms",
     "bytes",
     "gbs",
-    "pct_copy",
-    "pct_clone",
+    "roof",
+    "pct_roof",
     "max_abs_error",
     "tolerance",
     "correct",
@@ -64,7 +66,8 @@ def test_json_report(tmp_path: Path) -> None:
         "python",
         "date",
         "command",
-        "copy_gbs",
+        "inplace_roof_gbs",
+        "fresh_roof_gbs",
         "results",
         "skipped",
     ):
@@ -72,10 +75,12 @@ def test_json_report(tmp_path: Path) -> None:
     assert saved["torch"] == torch.__version__ and saved["device_type"] == "cpu"
     assert datetime.datetime.fromisoformat(saved["date"]).tzinfo is not None
     assert saved["command"].startswith("python -m ropelib.bench")
-    assert saved["copy_gbs"] > 0
+    for key, roof in (("inplace_roof_gbs", INPLACE_ROOF), ("fresh_roof_gbs", FRESH_ROOF)):
+        assert saved[key] > 0
+        assert saved[key] == pytest.approx(statistics.median(r["gbs"] for r in saved["results"] if r["impl"] == roof))
     combos = {(r["layout"], r["mode"]) for r in saved["results"] if r["impl"] == "ropelib"}
     assert combos == {("half", "fwd"), ("half", "fwd+bwd"), ("interleaved", "fwd"), ("interleaved", "fwd+bwd")}
-    roofs = ("roof: copy into buffer", "roof: clone()")
+    roofs = (INPLACE_ROOF, FRESH_ROOF)
     for r in saved["results"]:
         assert set(r) == FIELDS
         assert len(r["times_ms"]) == 2 and r["median_ms"] > 0
@@ -85,14 +90,18 @@ def test_json_report(tmp_path: Path) -> None:
     # Every implementation is checked against the float64 reference before it is timed.
     assert all(r["correct"] for r in saved["results"]), [(r["impl"], r["max_abs_error"]) for r in saved["results"]]
     assert {"HF eager", "seed complex"} <= {r["impl"] for r in saved["results"]}
-    # both roofs are timed in every configuration's rounds, and the percentages are taken of them
+    # both roofs are timed in every configuration's rounds (as many times as the others), and the
+    # percentages are taken of them: of the in-place roof for in-place rows, of the fresh one otherwise
     for layout, mode in combos:
         rows = {r["impl"]: r for r in saved["results"] if (r["layout"], r["mode"]) == (layout, mode)}
-        copy, clone = (rows[name] for name in roofs)
+        assert set(roofs) <= set(rows)
+        for name in roofs:
+            assert rows[name]["roof"] == name and rows[name]["pct_roof"] == pytest.approx(100.0)
         for r in rows.values():
-            assert r["pct_copy"] == pytest.approx(100 * r["gbs"] / copy["gbs"])
-            assert r["pct_clone"] == pytest.approx(100 * r["gbs"] / clone["gbs"])
-    assert saved["clone_gbs"] > 0
+            assert len(r["times_ms"]) == len(rows[INPLACE_ROOF]["times_ms"])
+            assert r["roof"] == (INPLACE_ROOF if "in place" in r["impl"] or r["impl"] == INPLACE_ROOF else FRESH_ROOF)
+            assert r["pct_roof"] == pytest.approx(100 * r["gbs"] / rows[r["roof"]]["gbs"])
+    assert ("ropelib (in place)", "fwd") in {(r["impl"], r["mode"]) for r in saved["results"]}
     decode = {r["impl"]: r for r in saved["decode"]}
     assert set(decode) == {"ropelib RotaryEmbedding", "ropelib rotary_qk", "HF apply_rotary_pos_emb"}
     assert decode["HF apply_rotary_pos_emb"]["ratio_to_hf"] == 1.0

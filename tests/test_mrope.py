@@ -1,4 +1,4 @@
-"""ropelib.mrope (M-RoPE, Qwen2-VL) against a float64 reference and against transformers' own implementation.
+"""ropelib.rotary.mrope (M-RoPE, Qwen2-VL) against a float64 reference and against transformers' own implementation.
 
 Tolerances.
 * Against the float64 reference (Python's math): ropelib forms the angles in float64 and rounds
@@ -18,7 +18,7 @@ import pytest
 import torch
 
 import ropelib
-from ropelib.mrope import MRotaryEmbedding, mrope_axes, mrope_positions, mrope_tables
+from ropelib.rotary.mrope import MRotaryEmbedding, mrope_axes, mrope_positions, mrope_tables
 
 transformers = pytest.importorskip("transformers")
 
@@ -116,7 +116,7 @@ def test_tables_and_rotation_match_transformers(kind: str) -> None:
 
     section = [2, 3, 3]
     theirs = hf_text_rotary(kind, section)
-    ours = MRotaryEmbedding(head_dim=16, mrope_section=section, interleaved=kind == "qwen3_vl", backend="torch")
+    ours = MRotaryEmbedding(head_dim=16, mrope_section=section, interleaved=kind == "qwen3_vl", kernel="torch")
     one = mrope_positions([3, (1, 4, 6), 4], spatial_merge_size=2)
     other = mrope_positions([1, (2, 2, 4), 8], spatial_merge_size=2)
     positions = torch.stack((one, other), dim=1)  # [3, batch 2, seq 13]
@@ -134,15 +134,18 @@ def test_tables_and_rotation_match_transformers(kind: str) -> None:
     assert torch.allclose(got_k, want_k.transpose(1, 2), atol=5e-5, rtol=0.0)
 
 
-def test_rotation_float64_and_kernels_agree_with_the_reference() -> None:
-    # The float64 path (reference rotation) against float64 tables from Python's math; the kernels'
-    # float32 result against it to float32 rounding of |x| ~ 4 values (1e-5).
+@pytest.mark.parametrize("kernel", ["torch", "native", "triton"])
+def test_rotation_float64_and_kernels_agree_with_the_reference(kernel: str) -> None:
+    # Each kernel's float64 rotation against float64 tables from Python's math; its float32 result
+    # against it to float32 rounding of |x| ~ 4 values (1e-5).
+    if kernel == "triton":
+        pytest.importorskip("triton")
     section = [2, 3, 3]
     positions = mrope_positions([2, (1, 4, 4), 3], spatial_merge_size=2)  # [3, 9]
     angles = reference_angles(positions, section, 10000.0, False)
     q = torch.randn(1, 9, 2, 16, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
     want = ropelib.apply_rotary(q, angles.cos(), angles.sin(), layout="half")
-    rope = MRotaryEmbedding(head_dim=16, mrope_section=section, backend="torch")
+    rope = MRotaryEmbedding(head_dim=16, mrope_section=section, kernel=kernel)
     got64, _ = rope(q, q, positions)
     got32, _ = rope(q.float(), q.float(), positions)
     assert (got64 - want).abs().max() <= 1e-12
@@ -159,7 +162,7 @@ def test_text_only_positions_are_plain_rope() -> None:
 
 
 def test_unchecked_tables_broadcast_over_batch() -> None:
-    inv = ropelib.RotaryEmbedding(8)._inv_freq64
+    inv = ropelib.RotaryEmbedding(8).cache.inv_freq
     positions = torch.arange(5).expand(3, 2, 5)
     cos, sin = mrope_tables(inv, positions, mrope_axes([2, 1, 1]))
     assert cos.shape == sin.shape == (2, 5, 4)
@@ -220,13 +223,16 @@ def test_float_angles_of_large_positions() -> None:
     assert (cos[0].double() - torch.tensor(want, dtype=torch.float64)).abs().max() <= 1e-7
 
 
-def test_triton_kernel_takes_per_token_tables() -> None:
-    # The fused Triton kernel (Triton's interpreter without CUDA) with one table row per token.
-    pytest.importorskip("triton")
+@pytest.mark.parametrize("kernel", ["native", "triton"])
+def test_kernels_take_per_token_tables(kernel: str) -> None:
+    # The C loop and the fused Triton kernel (Triton's interpreter without CUDA) with one table row
+    # per token, against the PyTorch kernel.
+    if kernel == "triton":
+        pytest.importorskip("triton")
     positions = torch.stack((mrope_positions([2, (1, 2, 4), 1], spatial_merge_size=2),) * 2, dim=1)  # [3, 2, 5]
     q = torch.randn(2, 5, 2, 16, generator=torch.Generator().manual_seed(3))
     k = torch.randn(2, 5, 1, 16, generator=torch.Generator().manual_seed(4))
-    torch_rope = MRotaryEmbedding(head_dim=16, mrope_section=[2, 3, 3], backend="torch")
-    triton_rope = MRotaryEmbedding(head_dim=16, mrope_section=[2, 3, 3], backend="triton")
-    for want, got in zip(torch_rope(q, k, positions), triton_rope(q, k, positions)):
+    torch_rope = MRotaryEmbedding(head_dim=16, mrope_section=[2, 3, 3], kernel="torch")
+    other_rope = MRotaryEmbedding(head_dim=16, mrope_section=[2, 3, 3], kernel=kernel)
+    for want, got in zip(torch_rope(q, k, positions), other_rope(q, k, positions)):
         assert torch.allclose(want, got, atol=1e-6, rtol=0.0)  # the same float32 products, in another order

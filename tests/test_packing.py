@@ -136,7 +136,7 @@ def test_compiles_in_one_graph() -> None:
 # ----------------------------------------------------------------------------- rotating a packed row
 
 
-@pytest.mark.parametrize("kernel", ["torch", "triton"])
+@pytest.mark.parametrize("kernel", ["torch", "native", "triton"])
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("flat", [True, False])
 def test_rotation_of_a_packed_row_restarts_in_each_document(kernel: str, layout: str, flat: bool) -> None:
@@ -147,7 +147,7 @@ def test_rotation_of_a_packed_row_restarts_in_each_document(kernel: str, layout:
                         zip(cu[:-1].tolist(), cu[1:].tolist())], 1)  # fmt: skip
     want_k = torch.cat([rotate_ref(k[:, a:b], torch.arange(b - a), layout=layout, rotary_dim=12) for a, b in
                         zip(cu[:-1].tolist(), cu[1:].tolist())], 1)  # fmt: skip
-    rope = RotaryEmbedding(16, layout=layout, rotary_dim=12, backend=kernel)
+    rope = RotaryEmbedding(16, layout=layout, rotary_dim=12, kernel=kernel)
     args = (q[0], k[0]) if flat else (q, k)
     cos, sin = rope.cos_sin_cache(10)
     for got_q, got_k in (

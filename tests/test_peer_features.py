@@ -29,15 +29,14 @@ from rotary_embedding_torch import RotaryEmbedding as PeerRotary
 import ropelib as rl
 from ropelib import RotaryEmbedding, alibi_bias, alibi_slopes, rope_frequencies, rotary_qk
 from ropelib.frequencies import ntk_rescaled_theta, pixel_inverse_frequencies
-from ropelib.kernels.ops import offset_positions
-from ropelib.rotary import check_continuous_positions
+from ropelib.kernels.door import offset_positions
 from ropelib.scaling import ROPE_SCALINGS, scaled_inverse_frequencies
 from ropelib.scaling.proportional import proportional_scaling
 
 from hot_path import graph_breaks, tensor_to_python_calls
 from references import EPS, rotate_ref, rotation_matrix_ref
 
-KERNEL = pytest.mark.parametrize("kernel", ["torch", "triton"])  # triton runs in its interpreter on the CPU
+KERNEL = pytest.mark.parametrize("kernel", ["torch", "native", "triton"])  # triton runs in its interpreter on the CPU
 LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])
 META = torch.device("meta")
 
@@ -153,7 +152,7 @@ def test_offset_positions() -> None:
 @KERNEL
 @LAYOUT
 def test_inplace_gradcheck(kernel: str, layout: str) -> None:
-    cos, sin = RotaryEmbedding(4).rows(torch.arange(8), torch.float64)  # float64 tables for float64 inputs
+    cos, sin = RotaryEmbedding(4).cos_sin(torch.arange(8), torch.float64)  # float64 tables for float64 inputs
     q = torch.randn(2, 3, 2, 6, dtype=torch.float64, requires_grad=True)
     k = torch.randn(2, 3, 1, 6, dtype=torch.float64, requires_grad=True)
 
@@ -173,7 +172,7 @@ def test_inplace_gradcheck(kernel: str, layout: str) -> None:
 def test_inplace_backward_is_the_inverse_rotation() -> None:
     # d<g, R x>/dx = R^T g = R(-theta) g, written with the float64 reference matrices.
     rope = RotaryEmbedding(8)
-    cos, sin = rope.rows(torch.arange(6), torch.float64)
+    cos, sin = rope.cos_sin(torch.arange(6), torch.float64)
     x = torch.randn(1, 6, 2, 8, dtype=torch.float64, requires_grad=True)
     g = torch.randn(1, 6, 2, 8, dtype=torch.float64)
     q = x * 1.0
@@ -223,11 +222,11 @@ def test_inplace_autograd_compiles_to_one_graph_with_the_eager_gradient() -> Non
 # ----------------------------------------------------------------------------- 3. odd head_dim
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@KERNEL
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16])
 @LAYOUT
-def test_odd_head_dim_with_even_rotary_dim(backend: str, dtype: torch.dtype, layout: str) -> None:
-    rope = RotaryEmbedding(7, rotary_dim=4, layout=layout, backend=backend)
+def test_odd_head_dim_with_even_rotary_dim(kernel: str, dtype: torch.dtype, layout: str) -> None:
+    rope = RotaryEmbedding(7, rotary_dim=4, layout=layout, kernel=kernel)
     q, k = torch.randn(2, 5, 3, 7, dtype=dtype), torch.randn(2, 5, 1, 7, dtype=dtype)
     positions = torch.tensor([[0, 3, 1, 9, 2], [4, 4, 0, 1, 7]])
     for got, x in zip(rope(q, k, positions), (q, k)):
@@ -251,7 +250,7 @@ def test_odd_head_dim_needs_an_explicit_rotary_dim() -> None:
 @pytest.mark.parametrize("dim,factor", [(8, 2.0), (16, 4.0), (64, 1.5), (4, 8.0)])
 def test_theta_rescale_factor_matches_rotary_embedding_torch(dim: int, factor: float) -> None:
     peer = PeerRotary(dim, theta_rescale_factor=factor).freqs.detach().double()
-    ours = RotaryEmbedding(dim, theta_rescale_factor=factor)._inv_freq64
+    ours = RotaryEmbedding(dim, theta_rescale_factor=factor).cache.inv_freq
     # the peer's theta ** (float32 exponent): the exponent's rounding (2^-24) times ln(theta') <= 16 -> < 1e-6
     torch.testing.assert_close(ours, peer, rtol=2e-6, atol=0)
     assert ntk_rescaled_theta(10000.0, dim, factor) == pytest.approx(10000.0 * factor ** (dim / (dim - 2)), rel=1e-15)
@@ -287,7 +286,7 @@ def test_pixel_frequencies_match_rotary_embedding_torch(dim: int, max_freq: floa
     peer = PeerRotary(dim, freqs_for="pixel", max_freq=max_freq).freqs.detach().double()
     # the peer's float32 linspace times pi: a float32 rounding of values <= 128 pi
     torch.testing.assert_close(pixel_inverse_frequencies(dim, max_freq), peer, rtol=2 * EPS[torch.float32], atol=0)
-    torch.testing.assert_close(RotaryEmbedding(dim, freqs_for="pixel", max_freq=max_freq)._inv_freq64, peer,
+    torch.testing.assert_close(RotaryEmbedding(dim, freqs_for="pixel", max_freq=max_freq).cache.inv_freq, peer,
                                rtol=2 * EPS[torch.float32], atol=0)  # fmt: skip
     assert pixel_inverse_frequencies(2, 4.0).tolist() == [
         math.pi
@@ -295,7 +294,7 @@ def test_pixel_frequencies_match_rotary_embedding_torch(dim: int, max_freq: floa
 
 
 def test_continuous_pixel_positions_match_the_peer_and_the_formula() -> None:
-    rope = RotaryEmbedding(8, freqs_for="pixel", positions="continuous", layout="interleaved")
+    rope = RotaryEmbedding(8, freqs_for="pixel", continuous_positions=True, layout="interleaved")
     coords = torch.linspace(-1, 1, 7, dtype=torch.float64)
     cos, sin = rope.cos_sin(coords, torch.float64)
     inv = [math.pi * (1 + i * (5 - 1) / 3) for i in range(4)]  # linspace(1, max_freq/2 = 5, 4) * pi, by hand
@@ -315,7 +314,7 @@ def test_continuous_pixel_positions_match_the_peer_and_the_formula() -> None:
 
 def test_continuous_angles_are_float64() -> None:
     # a fractional position near 1e6: a float32 product would be off by ~0.03 rad, float64 by ~1e-10
-    rope = RotaryEmbedding(4, positions="continuous")
+    rope = RotaryEmbedding(4, continuous_positions=True)
     p = 1_000_000.37
     cos, sin = rope.cos_sin(torch.tensor([p], dtype=torch.float64))
     assert cos[0, 0].item() == pytest.approx(math.cos(p), abs=EPS[torch.float32])
@@ -329,7 +328,7 @@ def test_continuous_angles_are_float64() -> None:
 
 
 def test_continuous_positions_errors_and_hot_path() -> None:
-    rope = RotaryEmbedding(8, positions="continuous")
+    rope = RotaryEmbedding(8, continuous_positions=True)
     q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 1, 8)
     with pytest.raises(ValueError, match="positions must be finite, got nan"):
         rope(q, k, torch.tensor([0.0, math.nan, 1.0]))
@@ -337,14 +336,12 @@ def test_continuous_positions_errors_and_hot_path() -> None:
         rope.cos_sin(torch.tensor([math.inf]))
     with pytest.raises(ValueError, match="positions must have shape"):
         rope(q, k, torch.rand(4))
-    with pytest.raises(TypeError, match="positions must be a torch.Tensor"):
-        rope(q, k, [0.5, 1.0, 2.0])
-    with pytest.raises(ValueError, match="positions must be one of \\['integer', 'continuous'\\]"):
-        RotaryEmbedding(8, positions="float")
+    with pytest.raises(TypeError, match="continuous_positions must be a bool, got str"):
+        RotaryEmbedding(8, continuous_positions="float")
     with pytest.raises(TypeError, match="positions must be an integer tensor"):  # the default stays integer-only
         RotaryEmbedding(8)(q, k, torch.rand(3))
-    with pytest.raises(ValueError, match="does not combine with learned_freq=True or positions='continuous'"):
-        RotaryEmbedding(8, positions="continuous", scaling={"rope_type": "dynamic", "factor": 2.0},
+    with pytest.raises(ValueError, match="does not combine with learned_freq=True or continuous_positions=True"):
+        RotaryEmbedding(8, continuous_positions=True, scaling={"rope_type": "dynamic", "factor": 2.0},
                         max_position_embeddings=16)  # fmt: skip
     with pytest.raises(ValueError, match="freqs_for must be one of"):
         RotaryEmbedding(8, freqs_for="constant")
@@ -359,10 +356,29 @@ def test_continuous_positions_errors_and_hot_path() -> None:
     assert breaks == 0, reasons
 
 
-def test_check_continuous_positions() -> None:
-    assert check_continuous_positions(torch.tensor([-3]), "p", batch=None, seq_len=None).dtype == torch.int64
-    out = check_continuous_positions(torch.rand(1, 3), "p", batch=2, seq_len=3)
-    assert out.shape == (2, 3)
+def test_continuous_positions_refuse_a_list_naming_both_kinds() -> None:
+    # a module that takes real-valued positions says so when given a list: a tensor, integer or floating
+    rope = RotaryEmbedding(8, continuous_positions=True)
+    q, k = torch.randn(2, 3, 2, 8), torch.randn(2, 3, 1, 8)
+    with pytest.raises(TypeError, match="positions must be a torch.Tensor"):
+        rope(q, k, [0.5, 1.0, 2.0])
+
+
+def test_continuous_positions_take_negative_integers_and_one_row_for_the_batch() -> None:
+    # integer positions of any sign are accepted, and a [1, seq] row serves every sequence of the batch
+    rope = RotaryEmbedding(4, continuous_positions=True)
+    cos, sin = rope.cos_sin(torch.tensor([-3]), torch.float64)
+    inv = [1.0, 0.01]  # theta^(-2i/r) by hand: 1e4 ** (-0/4), 1e4 ** (-2/4)
+    assert cos[0].tolist() == pytest.approx([math.cos(-3 * w) for w in inv], abs=1e-15)
+    assert sin[0].tolist() == pytest.approx([math.sin(-3 * w) for w in inv], abs=1e-15)
+    q = torch.randn(2, 3, 1, 4)
+    row = torch.rand(1, 3, dtype=torch.float64)
+    want = rotate_by_angles_ref(q, row.expand(2, 3)[..., None] * torch.tensor(inv, dtype=torch.float64), "half")
+    assert (rope(q, q, row)[0].double() - want).abs().max() <= tol32(q)
+    want = rotate_by_angles_ref(
+        q, torch.tensor([[-3.0, 0.0, 2.0]] * 2)[..., None] * torch.tensor(inv, dtype=torch.float64), "half"
+    )
+    assert (rope(q, q, torch.tensor([[-3, 0, 2]]))[0].double() - want).abs().max() <= tol32(q)
 
 
 # ----------------------------------------------------------------------------- 6. learned frequencies
@@ -482,7 +498,7 @@ def test_proportional_matches_transformers(head_dim: int, partial: float, factor
     }
     if partial > 0:  # through rope_config (which splits partial_rotary_factor into rotary_dim) and the module
         rope = RotaryEmbedding.from_config(config_dict)
-        torch.testing.assert_close(rope._inv_freq64, want.double(), rtol=2e-6, atol=0)
+        torch.testing.assert_close(rope.cache.inv_freq, want.double(), rtol=2e-6, atol=0)
         assert rope.rotary_dim == head_dim
 
 

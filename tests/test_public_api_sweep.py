@@ -10,7 +10,9 @@ non-contiguous/expanded/aliased inputs, mixed dtypes and devices, meta tensors.
 from __future__ import annotations
 
 import math
+import os
 import re
+import shutil
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -20,8 +22,7 @@ import torch
 
 import ropelib as rl
 from ropelib.frequencies import ntk_rescaled_theta, pixel_inverse_frequencies
-from ropelib.kernels.ops import no_offsets, offset_positions
-from ropelib.rotary import check_continuous_positions
+from ropelib.kernels.door import no_offsets, offset_positions
 
 from references import rotate_ref
 
@@ -74,6 +75,39 @@ def empty_like_ok(result: Any) -> bool:
 
 
 ROPE = rl.RotaryEmbedding(8)
+CPU = torch.device("cpu")
+#: the native kernel builds where a C compiler is found (``$CC``, cc, gcc or clang) unless turned off
+NATIVE = os.environ.get("ROPELIB_CPU_COMPILE", "1") != "0" and any(
+    map(shutil.which, [os.environ["CC"]] if os.environ.get("CC") else ["cc", "gcc", "clang"])
+)
+
+
+def cache_is_bounded(rope: rl.RotaryEmbedding) -> bool:
+    """The cache holds at most 2^16 rows per table: a few MB for every (device, dtype) it has, not 2^31 rows."""
+    rows = rope.cache.tables(CPU, torch.float32).length
+    return rope.cache.limit <= 1 << 16 and rows <= rope.cache.limit and rope.cache.nbytes() <= 1 << 24
+
+
+def spec_frequencies_by_hand(r: Any) -> bool:
+    inv, scale = r.frequencies()
+    want = [100.0 ** (-2 * i / 8) for i in range(4)]
+    return inv.dtype == torch.float64 and inv.tolist() == pytest.approx(want, rel=1e-15) and scale == 1.0
+
+
+def cache_rows_by_hand(tables: Any) -> bool:
+    """Row p holds cos(p theta^(-2i/r)), sin(...) rounded once to float32 (half an ulp of values <= 1: 2^-24),
+    with at least the rows asked for."""
+    angles = [[p * 1e4 ** (-2 * i / 8) for i in range(4)] for p in range(10)]
+    want_cos = torch.tensor([[math.cos(a) for a in row] for row in angles], dtype=torch.float64)
+    want_sin = torch.tensor([[math.sin(a) for a in row] for row in angles], dtype=torch.float64)
+    return (
+        tables.length >= 10
+        and tables.cos.dtype == tables.sin.dtype == torch.float32
+        and float((tables.cos[:10].double() - want_cos).abs().max()) <= 2**-24
+        and float((tables.sin[:10].double() - want_sin).abs().max()) <= 2**-24
+    )
+
+
 EXPANDED_K = torch.randn(1, 4, 1, 8).expand(1, 4, 2, 8)
 STRIDED_Q = torch.randn(1, 4, 8, 8)[:, :, ::4]  # [1, 4, 2, 8], head stride 32
 
@@ -88,7 +122,7 @@ CASES: list[Case] = [
     ),
     raises("RotaryEmbedding", ValueError, "layout must be one of", lambda: rl.RotaryEmbedding(8, layout="neox")),
     raises("RotaryEmbedding", TypeError, "scaling must be a dict", lambda: rl.RotaryEmbedding(8, scaling="linear")),
-    raises("RotaryEmbedding", ValueError, "backend must be one of", lambda: rl.RotaryEmbedding(8, backend="cuda")),
+    raises("RotaryEmbedding", ValueError, "kernel must be one of", lambda: rl.RotaryEmbedding(8, kernel="cuda")),
     raises("RotaryEmbedding", TypeError, "q must be a torch.Tensor", lambda: ROPE([[1.0]], K)),
     raises("RotaryEmbedding", ValueError, "q must have 4 dimensions", lambda: ROPE(Q[0], K)),
     raises("RotaryEmbedding", TypeError, "q must be a floating-point tensor", lambda: ROPE(Q.long(), K)),
@@ -117,7 +151,7 @@ CASES: list[Case] = [
     ),
     gives(
         "RotaryEmbedding",  # a far position costs one row, not a table to 2^31 (17 GB)
-        lambda r: close(r[0], rotated(Q[:, :1], torch.tensor([2**31])), tol=1e-5) and ROPE._cos.shape[0] <= 1 << 16,
+        lambda r: close(r[0], rotated(Q[:, :1], torch.tensor([2**31])), tol=1e-5) and cache_is_bounded(ROPE),
         lambda: ROPE(Q[:, :1], K[:, :1], torch.tensor([2**31])),
     ),
     gives("RotaryEmbedding", lambda r: close(r[0], rotated(STRIDED_Q, torch.arange(4))), lambda: ROPE(STRIDED_Q, K)),
@@ -195,11 +229,69 @@ CASES: list[Case] = [
         shapes((1, 4, 2, 8), (1, 4, 1, 8)),
         lambda: rl.rotary_qk(Q.to(META), K.to(META), COS.to(META), SIN.to(META)),
     ),
-    gives("choose_kernel", lambda r: r == "torch", lambda: rl.choose_kernel("auto", "cpu")),
+    gives("choose_kernel", lambda r: r == ("native" if NATIVE else "torch"), lambda: rl.choose_kernel("auto", "cpu")),
+    gives("choose_kernel", lambda r: r == "torch", lambda: rl.choose_kernel("auto", "meta")),
     raises("choose_kernel", ValueError, "device must name a torch device", lambda: rl.choose_kernel("auto", "gpu0x")),
     raises("choose_kernel", TypeError, "device must be a torch.device or str", lambda: rl.choose_kernel("auto", 0)),
-    gives("BACKENDS", lambda r: r == ("auto", "torch", "triton"), lambda: rl.BACKENDS),
-    gives("KERNELS", lambda r: set(r) == {"torch", "triton"} and all(map(callable, r.values())), lambda: rl.KERNELS),
+    gives("KERNEL_CHOICES", lambda r: r == ("auto", "torch", "native", "triton"), lambda: rl.KERNEL_CHOICES),
+    gives(
+        "KERNELS",
+        lambda r: set(r) == {"torch", "native", "triton"} and all(callable(k.launch) for k in r.values()),
+        lambda: rl.KERNELS,
+    ),
+    raises(
+        "rotary_qk",  # a forced kernel that cannot run here: refused at the door, with the reason
+        ValueError,
+        "kernel='native' does not run",
+        lambda: rl.rotary_qk(Q.to(META), K.to(META), COS.to(META), SIN.to(META), kernel="native"),
+    ),
+    raises(
+        "RotaryEmbedding",
+        ValueError,
+        "kernel='native' does not run",
+        lambda: rl.RotaryEmbedding(8, kernel="native")(Q.to(META), K.to(META)),
+    ),
+    # ---- the spec, the cache and a forward pass's rotation
+    gives("RopeSpec", spec_frequencies_by_hand, lambda: rl.RopeSpec.create(8, theta=100.0)),
+    gives(
+        "RopeSpec",  # a value: equal specs are one hash key (layers with one spec share one cache)
+        lambda r: r[0] == r[1] and hash(r[0]) == hash(r[1]) and r[0].scaling == LINEAR and r[0].scaling is not LINEAR,
+        lambda: (rl.RopeSpec.create(8, scaling=dict(LINEAR)), rl.RopeSpec.create(8, scaling=dict(LINEAR))),
+    ),
+    raises("RopeSpec", ValueError, "rotary_dim must be even", lambda: rl.RopeSpec.create(7)),
+    raises("RopeSpec", TypeError, "scaling must be a dict", lambda: rl.RopeSpec.create(8, scaling="linear")),
+    raises("RopeSpec", ValueError, "theta must be a finite number > 0", lambda: rl.RopeSpec.create(8, math.nan)),
+    raises("RopeSpec", ValueError, "freqs_for must be one of", lambda: rl.RopeSpec.create(8, freqs_for="px")),
+    gives(
+        "TableCache", cache_rows_by_hand, lambda: rl.TableCache(rl.RopeSpec.create(8)).tables(CPU, torch.float32, 10)
+    ),
+    gives(
+        "TableCache",  # never more rows than the limit, however many are asked for
+        lambda r: r.length == 8,
+        lambda: rl.TableCache(rl.RopeSpec.create(8), limit=8).tables(CPU, torch.float32, 100),
+    ),
+    raises("TableCache", TypeError, "spec must be a RopeSpec", lambda: rl.TableCache("rope")),
+    raises("TableCache", ValueError, "limit", lambda: rl.TableCache(rl.RopeSpec.create(8), limit=-3)),
+    raises(
+        "RotaryEmbedding",
+        ValueError,
+        "cache must be a TableCache of this module's spec",
+        lambda: rl.RotaryEmbedding(8, cache=rl.TableCache(rl.RopeSpec.create(8, theta=100.0))),
+    ),
+    gives("Rotation", lambda r: close(r[0], rotated(Q, torch.arange(4))), lambda: ROPE.rotation(Q)(Q, K)),
+    gives(
+        "Rotation",
+        lambda r: (
+            close(r[0], rotated(Q, torch.tensor([3, 1, 4, 1]))) and close(r[1], rotated(K, torch.tensor([3, 1, 4, 1])))
+        ),
+        lambda: ROPE.rotation(Q, torch.tensor([3, 1, 4, 1]))(Q, K),
+    ),
+    raises("Rotation", ValueError, "seq_len 4", lambda: ROPE.rotation(Q)(Q[:, :2], K[:, :2])),
+    raises("Rotation", ValueError, "made for torch.float32", lambda: ROPE.rotation(Q)(Q.double(), K.double())),
+    raises("Rotation", ValueError, "head_dim=8", lambda: ROPE.rotation(Q)(Q[..., :6], K[..., :6])),
+    raises("Rotation", TypeError, "inplace must be a bool", lambda: ROPE.rotation(Q)(Q, K, inplace=1)),
+    raises("Rotation", TypeError, "q must be a torch.Tensor", lambda: ROPE.rotation([[1.0]])),
+    raises("Rotation", ValueError, "positions must be >= 0", lambda: ROPE.rotation(Q, torch.tensor([0, 1, -1, 2]))),
     # ---- tables and frequencies
     raises(
         "cos_sin_table",
@@ -388,7 +480,7 @@ CASES: list[Case] = [
         "RotaryEmbedding",
         ValueError,
         "positions must be finite",
-        lambda: rl.RotaryEmbedding(8, positions="continuous")(Q, K, torch.tensor([0.0, 1.0, math.nan, 2.0])),
+        lambda: rl.RotaryEmbedding(8, continuous_positions=True)(Q, K, torch.tensor([0.0, 1.0, math.nan, 2.0])),
     ),
     raises("RotaryEmbedding", TypeError, "learned_freq must be a bool", lambda: rl.RotaryEmbedding(8, learned_freq=0)),
     gives(
@@ -460,10 +552,16 @@ CASES: list[Case] = [
         "no_offsets", lambda r: r == (True, True, False), lambda: (no_offsets(0), no_offsets(None), no_offsets(True))
     ),
     raises(
-        "check_continuous_positions",
+        "RotaryEmbedding",  # real-valued positions: a tensor, integer or floating
         TypeError,
-        "p must be a torch.Tensor",
-        lambda: check_continuous_positions([0.5], "p", batch=None, seq_len=None),
+        "positions must be a torch.Tensor",
+        lambda: rl.RotaryEmbedding(8, continuous_positions=True)(Q, K, [0.5, 1.0, 2.0, 3.0]),
+    ),
+    raises(
+        "RotaryEmbedding",
+        TypeError,
+        "continuous_positions must be a bool",
+        lambda: rl.RotaryEmbedding(8, continuous_positions="continuous"),
     ),
     # ---- layouts and the reference rotation
     raises("rotate_half", ValueError, "even last dimension", lambda: rl.rotate_half(torch.ones(3))),
@@ -845,8 +943,8 @@ CASES: list[Case] = [
     raises(
         "patch_hf_rope",
         ValueError,
-        "backend must be one of",
-        lambda: rl.patch_hf_rope(torch.nn.Linear(2, 2), backend="cuda"),
+        "kernel must be one of",
+        lambda: rl.patch_hf_rope(torch.nn.Linear(2, 2), kernel="cuda"),
     ),
     raises("patch_hf_rope", ValueError, "no rotary module", lambda: rl.patch_hf_rope(torch.nn.Linear(2, 2))),
     raises("unpatch_hf_rope", TypeError, "model must be a torch.nn.Module", lambda: rl.unpatch_hf_rope(None)),

@@ -482,7 +482,8 @@ def test_from_config_llama31():
     rope = RotaryEmbedding.from_config(LLAMA31)
     assert (rope.head_dim, rope.rotary_dim, rope.theta, rope.max_position_embeddings) == (128, 128, 500000.0, 131072)
     expected = ref_llama3(128, 500000.0, 8.0, 1.0, 4.0, 8192)
-    assert rope._inv_freq64.tolist() == pytest.approx(expected, rel=REL)
+    assert rope.cache.inv_freq.dtype == torch.float64
+    assert rope.cache.inv_freq.tolist() == pytest.approx(expected, rel=REL)
 
 
 def test_from_config_phi3_longrope():
@@ -490,7 +491,7 @@ def test_from_config_phi3_longrope():
     assert rope.scaling["original_max_position_embeddings"] == 4096
     assert rope.attention_scaling == pytest.approx(math.sqrt(1 + math.log(32) / math.log(4096)), rel=REL)
     rope.cos_sin(torch.tensor([5000]), torch.float64)
-    assert rope._inv_freq64.tolist() == pytest.approx(
+    assert rope.cache.inv_freq.tolist() == pytest.approx(
         [w / (1.0 + i) for i, w in enumerate(ref_default(96, 1e4))], rel=REL
     )
 

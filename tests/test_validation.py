@@ -250,7 +250,11 @@ LAYOUT_ERRORS = [
     (ValueError, "src must be one of", lambda: convert_rotary_layout(torch.zeros(16, 4), 2, 8, src="meta", dst="half")),
     (ValueError, "dst must be one of", lambda: layout_permutation(8, "half", "hf")),
     (ValueError, "layout must be one of", lambda: MultiHeadAttention(8, 2, "rope", layout="complex")),
-    (ValueError, "backend must be one of", lambda: RotaryEmbedding(8, backend="cuda")),
+    (
+        ValueError,
+        r"kernel must be one of \['auto', 'torch', 'native', 'triton'\], got 'cuda'",
+        lambda: RotaryEmbedding(8, kernel="cuda"),
+    ),
     (ValueError, "position must be one of", lambda: MultiHeadAttention(8, 2, "xpos")),
     (
         ValueError,

@@ -15,7 +15,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropelib.encodings.variants import AxialRotaryEmbedding, XPos, axial_positions, xpos_decay_rates
+from ropelib.rotary.axial import AxialRotaryEmbedding, axial_positions
+from ropelib.rotary.xpos import XPos, xpos_decay_rates
 
 ATOL = 1e-10
 

@@ -143,21 +143,20 @@ def _no_key(x: torch.Tensor) -> torch.Tensor:
 
 
 class _Rotate(torch.autograd.Function):
-    """``rotary`` as autograd records it; backward: ``rotary`` with ``conjugate`` flipped."""
+    """``rotary`` as autograd records it; backward: ``rotary`` with ``conjugate`` flipped.
 
-    generate_vmap_rule = True  # torch.func: vmap over the operator's own rule
+    ``forward`` takes ``ctx`` (no ``setup_context``): that form binds no signature at each call.
+    """
 
     @staticmethod
-    def forward(q: torch.Tensor, k: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, *rest: Any) -> tuple[torch.Tensor, torch.Tensor]:
         *args, keyset = rest
         with torch._C._AutoDispatchBelowAutograd():
-            return rotary.redispatch(keyset & _AFTER_AUTOGRAD, q, k, *args)
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        _, _, cos, sin, positions, frequencies, cu_seqlens, *flags, _ = inputs
+            q_out, k_out = rotary.redispatch(keyset & _AFTER_AUTOGRAD, q, k, *args)
+        cos, sin, positions, frequencies, cu_seqlens, *flags = args
         ctx.save_for_backward(cos, sin, positions, frequencies, cu_seqlens)
         ctx.flags = flags
+        return q_out, k_out
 
     @staticmethod
     def backward(ctx: Any, grad_q: torch.Tensor, grad_k: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -169,19 +168,14 @@ class _Rotate(torch.autograd.Function):
 class _RotateInPlace(torch.autograd.Function):
     """``rotary_`` of one tensor as autograd records it (marked dirty); backward: ``rotary``, conjugated."""
 
-    generate_vmap_rule = True
-
     @staticmethod
-    def forward(x: torch.Tensor, *args: Any) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, *args: Any) -> torch.Tensor:
         rotary_(x, _no_key(x), *args)
-        return x
-
-    @staticmethod
-    def setup_context(ctx: Any, inputs: tuple[Any, ...], output: Any) -> None:
-        x, cos, sin, positions, frequencies, cu_seqlens, *flags = inputs
         ctx.mark_dirty(x)
+        cos, sin, positions, frequencies, cu_seqlens, *flags = args
         ctx.save_for_backward(cos, sin, positions, frequencies, cu_seqlens)
         ctx.flags = flags
+        return x
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:

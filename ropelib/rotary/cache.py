@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from .._validation import check_int
 from ..frequencies import angle_tables
 from .spec import RopeSpec
 
@@ -27,6 +28,9 @@ CACHE_POSITIONS = 1 << 16
 TABLE_BLOCK = 1024
 #: The rows a device's first table holds when the call does not say how many it needs.
 INITIAL_POSITIONS = 4096
+
+#: The dtypes of tables: float32, and float64 for float64 inputs.
+TABLE_DTYPES = frozenset({torch.float32, torch.float64})
 
 Key = tuple[torch.device, torch.dtype]
 
@@ -76,7 +80,8 @@ class TableCache:
         if not isinstance(spec, RopeSpec):
             raise TypeError(f"spec must be a RopeSpec, got {type(spec).__name__}")
         self.spec = spec
-        self.limit = max(CACHE_POSITIONS, spec.max_position_embeddings or 0) if limit is None else limit
+        default = max(CACHE_POSITIONS, spec.max_position_embeddings or 0)
+        self.limit = default if limit is None else check_int(limit, "limit", minimum=1)
         self._lock = threading.Lock()
         inv_freq, attention_scaling = spec.frequencies()
         self._state = _State(None, inv_freq, attention_scaling, {})
@@ -114,6 +119,10 @@ class TableCache:
         whatever the device has (or :data:`INITIAL_POSITIONS` rows at first). Under
         :func:`torch.compile` nothing grows (a table made there is not kept).
         """
+        if dtype not in TABLE_DTYPES:
+            raise TypeError(f"dtype must be torch.float32 or torch.float64 (the tables' dtypes), got {dtype}")
+        if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
+            raise ValueError(f"length must be an int >= 0 or None, got {length!r}")
         if length is not None and self.spec.follows_length:
             self.follow(length)
         if length is not None and length > self.limit:

@@ -31,6 +31,7 @@ from .._validation import (
     check_choice,
     check_even,
     check_float_dtype,
+    check_float_tensor,
     check_int,
     check_integer_tensor,
     check_position_range,
@@ -364,6 +365,9 @@ class RotaryEmbedding(nn.Module):
     ) -> Rotation:
         """The checked :class:`Rotation` for queries like ``q`` (``[batch, seq, heads, head_dim]``: its batch,
         length, dtype and device) at ``positions``; arguments as :meth:`forward`'s."""
+        check_float_tensor(q, "q")
+        if q.ndim < 2:
+            raise ValueError(f"q must be [batch, seq, ...] (queries, or the layer's input), got shape {tuple(q.shape)}")
         batch, seq = q.shape[:2]
         compute = _table_dtype(q.dtype)
         length: int | None = None
@@ -389,7 +393,9 @@ class RotaryEmbedding(nn.Module):
                 length = int(seqlen_offsets) + seq if not isinstance(seqlen_offsets, torch.Tensor) else None
         elif not no_offsets(seqlen_offsets):
             raise ValueError("give positions or seqlen_offsets, not both: the offsets shift the default positions")
-        elif self.continuous_positions and isinstance(positions, torch.Tensor) and positions.is_floating_point():
+        elif self.continuous_positions and not isinstance(positions, torch.Tensor):
+            raise TypeError(f"positions must be a torch.Tensor (integer or floating), got {type(positions).__name__}")
+        elif self.continuous_positions and positions.is_floating_point():
             positions = _check_finite(_check_shape(positions, batch, seq), "positions").to(q.device)
             return self._token_rotation(q, positions, compute)
         else:
