@@ -249,7 +249,7 @@ def rotary_qk(
             check_position_range(lengths, "cu_seqlens' document lengths", minimum=None, limit=length + 1)
         positions = torch.zeros(1, dtype=torch.long, device=q.device).expand(seq)  # unused: cu_seqlens rules
     elif positions is None:
-        offset_rows = offset_positions(seqlen_offsets, batch, seq, q.device)
+        offset_rows = None if no_offsets(seqlen_offsets) else offset_positions(seqlen_offsets, batch, seq, q.device)
         if offset_rows is None:
             if seq > length:
                 raise ValueError(f"the table has {length} rows but seq_len is {seq}; pass a longer cos/sin table")

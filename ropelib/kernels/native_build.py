@@ -134,10 +134,16 @@ def _identity(cc: str) -> str:
         return cc
 
 
+#: On x86-64 with ``-march=native``: 256-bit vectors, which ran the loop faster than 512-bit ones
+#: on the machines measured (AVX-512 splits them, or lowers the clock).
+X86_FLAGS = ("-mprefer-vector-width=256",)
+
+
 def compile_flags(identity: str, flags: tuple[str, ...]) -> tuple[str, ...]:
     """``flags`` with the ones every build takes, and GCC's own (``identity``: the compiler's ``--version``)."""
     gcc = "Free Software Foundation" in identity or "GCC" in identity
-    return (*flags, *COMMON_FLAGS, *(GCC_FLAGS if gcc else ()))
+    x86 = platform.machine().lower() in ("x86_64", "amd64") and "-march=native" in flags
+    return (*flags, *COMMON_FLAGS, *(GCC_FLAGS if gcc else ()), *(X86_FLAGS if x86 else ()))
 
 
 def cache_key(cc: str, flags: tuple[str, ...]) -> str:

@@ -79,7 +79,10 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
 
 def _rotary_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: Any) -> Any:
     positions, frequencies, cu_seqlens, interleaved, conjugate, kernel = rest
-    q, k = _unit_stride(q), _unit_stride(k)
+    if q.stride(-1) != 1:  # the kernels read features at unit stride
+        q = q.contiguous()
+    if k.stride(-1) != 1:
+        k = k.contiguous()
     q_out, k_out = torch.empty_like(q), torch.empty_like(k)
     run(
         kernel,

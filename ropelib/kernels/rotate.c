@@ -112,51 +112,80 @@ static inline uint16_t f16_store(float f) {
 #define ROPELIB_INLINE
 #endif
 
+/* Vectors of eight compute values for the interleaved layout: with
+ * clang or GCC 12 (__builtin_shufflevector) or an older GCC
+ * (__builtin_shuffle); other compilers take the pairs one by one. */
+#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
+#define ROPELIB_VECTORS 1
+#define SWAP_PAIRS(v, mask) __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6)
+#elif defined(__GNUC__)
+#define ROPELIB_VECTORS 1
+#define SWAP_PAIRS(v, mask) __builtin_shuffle(v, (mask){1, 0, 3, 2, 5, 4, 7, 6})
+#else
+#define ROPELIB_VECTORS 0
+#endif
+
 /* The loop, once per storage type S and compute type C. */
 #define S float
 #define C float
+#define INDEX int32_t
 #define LOAD(v) (v)
 #define STORE(v) (v)
+#define VECTOR ROPELIB_VECTORS
 #define NAME(x) x##_f32
 #include "rotate_loop.h"
 #undef S
 #undef C
+#undef INDEX
 #undef LOAD
 #undef STORE
+#undef VECTOR
 #undef NAME
 
 #define S double
 #define C double
+#define INDEX int64_t
 #define LOAD(v) (v)
 #define STORE(v) (v)
+#define VECTOR ROPELIB_VECTORS
 #define NAME(x) x##_f64
 #include "rotate_loop.h"
 #undef S
 #undef C
+#undef INDEX
 #undef LOAD
 #undef STORE
+#undef VECTOR
 #undef NAME
 
 #define S uint16_t
 #define C float
+#define INDEX int32_t
 #define LOAD(v) bf16_load(v)
 #define STORE(v) bf16_store(v)
+#define VECTOR 0
 #define NAME(x) x##_bf16
 #include "rotate_loop.h"
 #undef S
 #undef C
+#undef INDEX
 #undef LOAD
 #undef STORE
+#undef VECTOR
 #undef NAME
 
 #define S uint16_t
 #define C float
+#define INDEX int32_t
 #define LOAD(v) f16_load(v)
 #define STORE(v) f16_store(v)
+#define VECTOR 0
 #define NAME(x) x##_f16
 #include "rotate_loop.h"
 #undef S
 #undef C
+#undef INDEX
 #undef LOAD
 #undef STORE
+#undef VECTOR
 #undef NAME

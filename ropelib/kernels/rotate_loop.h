@@ -1,6 +1,8 @@
 /* The loop of rotate.c for one storage type: rotate.c includes this
- * file once per type, with S (storage), C (compute), LOAD, STORE and
- * NAME(x) (the name of function x for that type) defined. */
+ * file once per type, with S (storage), C (compute), INDEX (an integer
+ * of C's width), LOAD, STORE, VECTOR (1 when S is C: the interleaved
+ * layout in eights) and NAME(x) (the name of function x for that type)
+ * defined. */
 
 /* Out of place, into fresh memory: write one byte of every page of
  * the output of tokens [from, to), so that their page faults come
@@ -23,22 +25,60 @@ static void NAME(touch_pages)(S *out, int64_t from, int64_t to,
         (out_b) = STORE((inverse) ? bc_ - as_ : bc_ + as_);   \
     } while (0)
 
+#if VECTOR
+/* Eight features at once: the interleaved pairs need no shuffle across
+ * them, only a swap within each pair, with the tables widened per
+ * token to wc = (c0, c0, c1, c1, ...) and ws = (-s0, s0, -s1, s1, ...)
+ * (ws negated for the inverse): o = x wc + swap(x) ws, each product
+ * and the sum rounded, the same bits as the pairs' expression. */
+typedef C NAME(eight) __attribute__((vector_size(8 * sizeof(C))));
+typedef INDEX NAME(lanes) __attribute__((vector_size(8 * sizeof(C))));
+
+static inline ROPELIB_INLINE void NAME(interleaved_wide)(
+    const S *x, S *o, const C *wc, const C *ws, int64_t r) {
+    int64_t j = 0;
+    for (; j + 8 <= r; j += 8) {
+        NAME(eight) v, c, s;
+        memcpy(&v, x + j, sizeof v);
+        memcpy(&c, wc + j, sizeof c);
+        memcpy(&s, ws + j, sizeof s);
+        const NAME(eight) w = SWAP_PAIRS(v, NAME(lanes));
+        const NAME(eight) vc = v * c, wsn = w * s, out = vc + wsn;
+        memcpy(o + j, &out, sizeof out);
+    }
+    for (; j < r; j += 2) { /* the pairs past the last eight */
+        const C a = x[j], b = x[j + 1];
+        const C ac = a * wc[j], bs = b * ws[j];
+        const C bc = b * wc[j + 1], as = a * ws[j + 1];
+        o[j] = ac + bs;
+        o[j + 1] = bc + as;
+    }
+}
+#endif
+
 /* The heads of one token of one tensor (x, o at its head 0), in one
- * layout and direction: the loop the compiler vectorizes. */
+ * layout and direction: the loop the compiler vectorizes. ``wc``/``ws``:
+ * the token's widened tables (interleaved, with VECTOR). */
 static inline ROPELIB_INLINE void NAME(heads)(
     const S *x, S *o, int64_t heads, int64_t x_head, int64_t o_head,
-    const C *c, const C *s, int64_t r2, int64_t dim,
-    const int interleaved, const int inverse) {
+    const C *c, const C *s, const C *wc, const C *ws, int64_t r2,
+    int64_t dim, const int interleaved, const int inverse) {
+    (void)wc;
+    (void)ws;
     for (int64_t h = 0; h < heads; ++h) {
         const S *xr = x + h * x_head;
         S *orow = o + h * o_head;
         if (interleaved) {
+#if VECTOR
+            NAME(interleaved_wide)(xr, orow, wc, ws, 2 * r2);
+#else
 #pragma omp simd
             for (int64_t i = 0; i < r2; ++i) {
                 const C a = LOAD(xr[2 * i]), b = LOAD(xr[2 * i + 1]);
                 ROPELIB_PAIR(a, b, c[i], s[i], inverse, orow[2 * i],
                              orow[2 * i + 1]);
             }
+#endif
         } else {
 #pragma omp simd
             for (int64_t i = 0; i < r2; ++i) {
@@ -62,6 +102,7 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
     const S *q = (const S *)g->q, *k = (const S *)g->k;
     S *q_out = (S *)g->q_out, *k_out = (S *)g->k_out;
     const int64_t r2 = g->r2, dim = g->dim, seq = g->seq;
+    C wc[VECTOR ? 2 * r2 : 1], ws[VECTOR ? 2 * r2 : 1]; /* widened rows */
     int64_t bad = 0;
     for (int64_t t = t0; t < t1; ++t) {
         const int64_t b = t / seq, s = t % seq;
@@ -76,12 +117,18 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
             continue;
         }
         const C *c = cos + p * r2, *sn = sin + p * r2;
+        if (interleaved && VECTOR)
+            for (int64_t i = 0; i < r2; ++i) {
+                wc[2 * i] = wc[2 * i + 1] = c[i];
+                ws[2 * i] = inverse ? sn[i] : -sn[i];
+                ws[2 * i + 1] = inverse ? -sn[i] : sn[i];
+            }
         NAME(heads)(q + b * g->qb + s * g->qs,
                     q_out + b * g->qob + s * g->qos, g->q_heads, g->qh,
-                    g->qoh, c, sn, r2, dim, interleaved, inverse);
+                    g->qoh, c, sn, wc, ws, r2, dim, interleaved, inverse);
         NAME(heads)(k + b * g->kb + s * g->ks,
                     k_out + b * g->kob + s * g->kos, g->k_heads, g->kh,
-                    g->koh, c, sn, r2, dim, interleaved, inverse);
+                    g->koh, c, sn, wc, ws, r2, dim, interleaved, inverse);
     }
     return bad;
 }

@@ -123,6 +123,10 @@ class TableCache:
             raise TypeError(f"dtype must be torch.float32 or torch.float64 (the tables' dtypes), got {dtype}")
         if length is not None and (isinstance(length, bool) or not isinstance(length, int) or length < 0):
             raise ValueError(f"length must be an int >= 0 or None, got {length!r}")
+        return self.tables_for(device, dtype, length)
+
+    def tables_for(self, device: torch.device, dtype: torch.dtype, length: int | None) -> Tables:
+        """:meth:`tables` for a checked dtype and length (the modules' call)."""
         if length is not None and self.spec.follows_length:
             self.follow(length)
         if length is not None and length > self.limit:

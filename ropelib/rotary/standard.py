@@ -368,6 +368,16 @@ class RotaryEmbedding(nn.Module):
         check_float_tensor(q, "q")
         if q.ndim < 2:
             raise ValueError(f"q must be [batch, seq, ...] (queries, or the layer's input), got shape {tuple(q.shape)}")
+        return self._rotation(q, positions, cu_seqlens, seqlen_offsets)
+
+    def _rotation(
+        self,
+        q: torch.Tensor,
+        positions: torch.Tensor | None,
+        cu_seqlens: torch.Tensor | None,
+        seqlen_offsets: int | torch.Tensor,
+    ) -> Rotation:
+        """:meth:`rotation` for a checked ``q``."""
         batch, seq = q.shape[:2]
         compute = _table_dtype(q.dtype)
         length: int | None = None
@@ -385,7 +395,7 @@ class RotaryEmbedding(nn.Module):
             else:
                 positions, length = torch.zeros(1, dtype=torch.long, device=q.device).expand(seq), seq
         elif positions is None:
-            offsets = offset_positions(seqlen_offsets, batch, seq, q.device)
+            offsets = None if no_offsets(seqlen_offsets) else offset_positions(seqlen_offsets, batch, seq, q.device)
             if offsets is None:
                 positions, length = torch.arange(seq, device=q.device), seq
             else:
@@ -409,7 +419,7 @@ class RotaryEmbedding(nn.Module):
             return self._token_rotation(q, positions, compute)
         if self.spec.follows_length and length is None:  # transformers reads the length on the host too
             length = int(positions.max()) + 1 if positions.numel() else seq
-        tables = self.cache.tables(q.device, compute, length)
+        tables = self.cache.tables_for(q.device, compute, length)
         beyond = length is None or length > tables.length
         return Rotation(
             tables.cos,
@@ -452,7 +462,7 @@ class RotaryEmbedding(nn.Module):
         if flat:  # flash-attn's varlen layout [tokens, heads, d]
             q, k = q.unsqueeze(0), k.unsqueeze(0)
         check_qk(q, k, head_dim=self.head_dim)
-        q, k = self.rotation(q, positions, cu_seqlens=cu_seqlens, seqlen_offsets=seqlen_offsets).apply(q, k)
+        q, k = self._rotation(q, positions, cu_seqlens, seqlen_offsets).apply(q, k)
         return (q[0], k[0]) if flat else (q, k)
 
     def extra_repr(self) -> str:
