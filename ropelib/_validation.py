@@ -246,3 +246,25 @@ def check_positions(
     if expand and len(shape) == 2 and shape[0] == 1 and batch is not None and batch != 1:
         positions = positions.expand(batch, seq_len)
     return positions
+
+
+def check_real_positions(
+    positions: torch.Tensor, name: str, *, batch: int | None = None, seq_len: int | None = None
+) -> torch.Tensor:
+    """Real-valued (floating) positions, finite; of shape ``[seq_len]``, ``[1, seq_len]`` or ``[batch, seq_len]``
+    when ``seq_len`` is given. Finiteness is checked by the rule of this module (read on the CPU, a
+    queued assertion elsewhere)."""
+    if seq_len is not None:
+        shapes = [(seq_len,)] + ([(batch, seq_len), (1, seq_len)] if batch is not None else [])
+        if tuple(positions.shape) not in shapes:
+            expected = " or ".join(str(list(s)) for s in dict.fromkeys(shapes))
+            raise ValueError(f"{name} must have shape {expected}, got {list(positions.shape)}")
+    if positions.numel() and positions.device.type != "meta":
+        finite = torch.isfinite(positions).all()
+        if values_readable(positions):
+            if not bool(finite):
+                bad = positions[~torch.isfinite(positions)].flatten()[0].item()
+                raise ValueError(f"{name} must be finite, got {bad}")
+        else:
+            torch._assert_async(finite, f"{name} must be finite")
+    return positions

@@ -148,6 +148,9 @@ def implementations(
     pos_cis = torch.complex(cos, sin)
     impls["seed complex"] = ((lambda q, k: apply_rotary_emb(q, k, pos_cis)), "interleaved")
     if compile_peer:
+        # compiled afresh for each configuration: the eager function's code is the same for all of
+        # them, and past dynamo's recompile limit a cached one would silently run eagerly
+        torch._dynamo.reset()
         impls["torch.compile(HF eager)"] = (torch.compile(eager), layout)
     try:
         from rotary_embedding_torch import apply_rotary_emb as ret_apply  # type: ignore[import-untyped]

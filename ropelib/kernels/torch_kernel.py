@@ -53,25 +53,36 @@ Buffers = tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _rotate_block(
-    x: torch.Tensor, out: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleaved: bool, buffers: Buffers
+    x: torch.Tensor,
+    out: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    interleaved: bool,
+    buffers: Buffers,
 ) -> None:
-    """``out[..., :r] = R x[..., :r]`` for one block ``[T, H, D]``; ``cos``/``sin`` ``[T, r/2]``.
+    """``out[..., :r] = R x[..., :r]`` for a block ``[T, H, D]``.
 
-    ``buffers``: a temporary ``[T', H, r/2]``, then float ``[T', H, r]`` buffers for the result (in
-    place, low precision) and for the inputs converted to the compute dtype (low precision), or None.
+    ``cos``/``sin``: ``[T, r/2]``. ``buffers``: a ``[T', H, r/2]``
+    temporary, then float ``[T', H, r]`` buffers for the result (in
+    place, low precision) and for the inputs in the compute dtype (low
+    precision), or None.
     """
-    r2, tokens = cos.shape[-1], x.shape[0]
+    r2, n = cos.shape[-1], x.shape[0]
     tmp_buffer, result_buffer, input_buffer = buffers
-    src, target = _pairs(x, r2, interleaved), _pairs(out, r2, interleaved)
-    if input_buffer is not None:  # low precision: the inputs in the compute dtype first
-        converted = _pairs(input_buffer[:tokens], r2, interleaved)
-        converted.copy_(src)
-        src = converted
-    dst = target if result_buffer is None else _pairs(result_buffer[:tokens], r2, interleaved)
-    tmp = tmp_buffer[:tokens]
-    c, s = cos[:, None, :], sin[:, None, :]  # [T, 1, r/2]: over the heads
-    (a, b), (dst_a, dst_b) = _members(src, interleaved), _members(dst, interleaved)
-    torch.mul(src, c.unsqueeze(-1 if interleaved else -2), out=dst)  # (a c, b c)
+    src = _pairs(x, r2, interleaved)
+    target = _pairs(out, r2, interleaved)
+    if input_buffer is not None:  # low precision: to float first
+        src_f = _pairs(input_buffer[:n], r2, interleaved)
+        src = src_f.copy_(src)
+    dst = target
+    if result_buffer is not None:
+        dst = _pairs(result_buffer[:n], r2, interleaved)
+    tmp = tmp_buffer[:n]
+    c, s = cos[:, None, :], sin[:, None, :]  # over the heads
+    a, b = _members(src, interleaved)
+    dst_a, dst_b = _members(dst, interleaved)
+    c_pairs = c.unsqueeze(-1 if interleaved else -2)
+    torch.mul(src, c_pairs, out=dst)  # (a c, b c)
     torch.mul(b, s, out=tmp)
     dst_a.sub_(tmp)  # a c - b s
     torch.mul(a, s, out=tmp)

@@ -2,8 +2,8 @@
 
 * :mod:`~ropelib.rotary.spec`: :class:`RopeSpec`, the frequencies as one immutable value;
 * :mod:`~ropelib.rotary.cache`: :class:`TableCache`, the cos/sin rows of a spec per device and dtype;
-* :mod:`~ropelib.rotary.standard`: :class:`RotaryEmbedding` (RoPE) and :class:`Rotation`, one
-  forward pass's tables for every layer;
+* :mod:`~ropelib.rotary.standard`: :class:`RotaryEmbedding` (RoPE);
+* :mod:`~ropelib.rotary.rotation`: :class:`Rotation`, one forward pass's tables for every layer;
 * the variants, each stating only what differs: :mod:`~ropelib.rotary.mrope` (M-RoPE, three
   position axes), :mod:`~ropelib.rotary.xpos` (xPos, a decay) and :mod:`~ropelib.rotary.axial`
   (2-D axial RoPE for image patches).
@@ -12,8 +12,9 @@
 from .axial import AxialRotaryEmbedding, axial_positions
 from .cache import CACHE_POSITIONS, TableCache, Tables
 from .mrope import MRotaryEmbedding, mrope_axes, mrope_positions
+from .rotation import Rotation
 from .spec import FREQS_FOR, RopeSpec
-from .standard import RotaryEmbedding, Rotation
+from .standard import RotaryEmbedding
 from .xpos import XPos, xpos_decay_rates
 
 __all__ = [

@@ -35,6 +35,11 @@ TABLE_DTYPES = frozenset({torch.float32, torch.float64})
 Key = tuple[torch.device, torch.dtype]
 
 
+def table_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The tables' dtype for inputs of ``dtype``: float64 for float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 @dataclass(frozen=True)
 class Tables:
     """The rows of one device and dtype: ``cos``/``sin`` ``[L, r/2]`` and the ``frequencies`` behind them.

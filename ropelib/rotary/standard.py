@@ -37,102 +37,17 @@ from .._validation import (
     check_position_range,
     check_positions,
     check_qk,
+    check_real_positions,
     values_readable,
 )
 from ..config import rope_config
 from ..frequencies import angle_tables
 from ..kernels.door import check_kernel, check_packed, no_offsets, offset_positions
-from ..kernels.operators import rotary, rotary_
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens, positions_in_documents
-from ..reference import rotate as reference_rotate
-from .cache import TableCache
+from .cache import TableCache, table_dtype
+from .rotation import Rotation
 from .spec import RopeSpec
-
-
-class Rotation:
-    """The rotation of one forward pass: tables and checked positions, applied to the q and k of every layer.
-
-    Made by :meth:`RotaryEmbedding.rotation`; ``rotation(q, k)`` returns the rotated pair (one
-    ``ropelib::rotary`` call), for ``q``/``k`` of the batch and length it was made for. A value:
-    its attributes are not to be changed.
-
-    Attributes:
-        cos, sin: ``[L, r/2]`` tables (the cache's, or a row per token).
-        positions: int64 ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the tables.
-        frequencies: float64 ``[r/2 + 1]`` when a position may lie past the table, else None.
-        cu_seqlens: a packed row's document lengths (positions restart in each), or None.
-        differentiable: the rows carry a gradient (learned frequencies): plain operations rotate.
-    """
-
-    __slots__ = (
-        "cos",
-        "sin",
-        "positions",
-        "interleaved",
-        "kernel",
-        "head_dim",
-        "seq",
-        "frequencies",
-        "cu_seqlens",
-        "differentiable",
-    )
-
-    def __init__(
-        self,
-        cos: torch.Tensor,
-        sin: torch.Tensor,
-        positions: torch.Tensor,
-        interleaved: bool,
-        kernel: str,
-        head_dim: int,
-        seq: int,
-        frequencies: torch.Tensor | None = None,
-        cu_seqlens: torch.Tensor | None = None,
-        differentiable: bool = False,
-    ) -> None:
-        self.cos, self.sin, self.positions = cos, sin, positions
-        self.interleaved, self.kernel, self.head_dim, self.seq = interleaved, kernel, head_dim, seq
-        self.frequencies, self.cu_seqlens, self.differentiable = frequencies, cu_seqlens, differentiable
-
-    def __repr__(self) -> str:
-        return (
-            f"Rotation(positions={tuple(self.positions.shape)}, table_rows={self.cos.shape[0]}, "
-            f"layout={'interleaved' if self.interleaved else 'half'!r}, kernel={self.kernel!r})"
-        )
-
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        check_qk(q, k, head_dim=self.head_dim)
-        rows = self.positions.shape[0] if self.positions.ndim == 2 else 1
-        if q.shape[1] != self.seq or rows not in (1, q.shape[0]):
-            raise ValueError(
-                f"q and k must have the seq_len {self.seq} and batch the rotation was made for, got {tuple(q.shape)}"
-            )
-        if _table_dtype(q.dtype) != self.cos.dtype:
-            raise ValueError(f"the rotation was made for {self.cos.dtype} tables; make one for {q.dtype} inputs")
-        return self.apply(q, k, inplace=check_bool(inplace, "inplace"))
-
-    def apply(self, q: torch.Tensor, k: torch.Tensor, *, inplace: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-        """``rotation(q, k)`` for q and k already checked against it (unchecked)."""
-        if self.differentiable:
-            rows = self.positions.expand(q.shape[0], self.seq)
-            layout = "interleaved" if self.interleaved else "half"
-            cos, sin = self.cos[rows].to(q.dtype), self.sin[rows].to(q.dtype)
-            return reference_rotate(q, cos, sin, layout), reference_rotate(k, cos, sin, layout)
-        args = (
-            self.cos,
-            self.sin,
-            self.positions,
-            self.frequencies,
-            self.cu_seqlens,
-            self.interleaved,
-            False,
-            self.kernel,
-        )
-        if inplace:
-            rotary_(q, k, *args)
-            return q, k
-        return rotary(q, k, *args)
 
 
 class RotaryEmbedding(nn.Module):
@@ -319,7 +234,7 @@ class RotaryEmbedding(nn.Module):
         """
         dtype = check_float_dtype(dtype)
         if self.continuous_positions and isinstance(positions, torch.Tensor) and positions.is_floating_point():
-            return self._rows(_check_finite(positions, "positions"), dtype)
+            return self._rows(check_real_positions(positions, "positions"), dtype)
         positions = check_integer_tensor(positions, "positions").long()
         check_position_range(positions, "positions", minimum=None if self.continuous_positions else 0)
         return self.rows_at(positions, dtype)
@@ -332,7 +247,7 @@ class RotaryEmbedding(nn.Module):
         if values_readable(positions) and positions.numel() and not self.learned_freq:
             low, high = (int(v) for v in torch.aminmax(positions))
             if low >= 0 and high < self.cache.limit:
-                tables = self.cache.tables(positions.device, _table_dtype(dtype), high + 1)
+                tables = self.cache.tables(positions.device, table_dtype(dtype), high + 1)
                 index = positions.reshape(-1)
                 cos, sin = (t.index_select(0, index).view(*positions.shape, -1) for t in (tables.cos, tables.sin))
                 return cos.to(dtype), sin.to(dtype)
@@ -379,7 +294,7 @@ class RotaryEmbedding(nn.Module):
     ) -> Rotation:
         """:meth:`rotation` for a checked ``q``."""
         batch, seq = q.shape[:2]
-        compute = _table_dtype(q.dtype)
+        compute = table_dtype(q.dtype)
         length: int | None = None
         if cu_seqlens is not None:
             check_packed(positions, seqlen_offsets)
@@ -406,7 +321,7 @@ class RotaryEmbedding(nn.Module):
         elif self.continuous_positions and not isinstance(positions, torch.Tensor):
             raise TypeError(f"positions must be a torch.Tensor (integer or floating), got {type(positions).__name__}")
         elif self.continuous_positions and positions.is_floating_point():
-            positions = _check_finite(_check_shape(positions, batch, seq), "positions").to(q.device)
+            positions = check_real_positions(positions, "positions", batch=batch, seq_len=seq).to(q.device)
             return self._token_rotation(q, positions, compute)
         else:
             positions = check_positions(positions, "positions", batch=batch, seq_len=seq, minimum=None, expand=False)
@@ -480,29 +395,3 @@ class RotaryEmbedding(nn.Module):
             f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, theta={self.theta}, "
             f"layout={self.layout!r}, scaling={self.scaling}, kernel={self.kernel!r}{extra}"
         )
-
-
-def _table_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The tables' dtype for inputs of ``dtype``: float64 for float64, else float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _check_shape(positions: torch.Tensor, batch: int, seq: int) -> torch.Tensor:
-    shapes = [(seq,), (batch, seq), (1, seq)]
-    if tuple(positions.shape) not in shapes:
-        expected = " or ".join(str(list(s)) for s in dict.fromkeys(shapes))
-        raise ValueError(f"positions must have shape {expected}, got {list(positions.shape)}")
-    return positions
-
-
-def _check_finite(positions: torch.Tensor, name: str) -> torch.Tensor:
-    """Real-valued positions, finite (read on the CPU, a queued assertion elsewhere)."""
-    if positions.numel() and positions.device.type != "meta":
-        finite = torch.isfinite(positions).all()
-        if values_readable(positions):
-            if not bool(finite):
-                bad = positions[~torch.isfinite(positions)].flatten()[0].item()
-                raise ValueError(f"{name} must be finite, got {bad}")
-        else:
-            torch._assert_async(finite, f"{name} must be finite")
-    return positions
