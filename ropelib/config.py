@@ -8,6 +8,7 @@ from typing import Any
 from ._validation import check_int, check_positive_float
 from .frequencies import rotary_dim_for
 from .scaling import ROPE_SCALINGS, rope_type_of, scaled_inverse_frequencies, validate_scaling
+from .scaling.registry import key_names
 
 _CONFIG_ONLY_KEYS = ("rope_theta", "partial_rotary_factor")
 
@@ -32,6 +33,9 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
 
     ``ignore_keys`` names model-specific keys of the rope parameters that are not RoPE scaling
     (Qwen2-VL's ``mrope_section``, say): they are dropped, as ``transformers``' ``ignore_keys`` lets them through.
+
+    ``rope_type="proportional"`` keeps ``partial_rotary_factor`` in its dict and ``rotary_dim`` is
+    ``head_dim``, as in transformers (:func:`~ropelib.scaling.proportional.proportional_scaling`).
 
     Returns:
         A dict with ``head_dim``, ``theta``, ``rotary_dim``, ``scaling`` (None for plain RoPE) and
@@ -87,13 +91,10 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
     theta = _config_value(config, params, "rope_theta")
     theta = 10000.0 if theta is None else check_positive_float(theta, "config['rope_theta']")
     partial = _config_value(config, params, "partial_rotary_factor")
-    rotary_dim = rotary_dim_for(head_dim, 1.0 if partial is None else partial)
     max_positions = config.get("max_position_embeddings")
     if max_positions is not None:
         max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
-    if isinstance(ignore_keys, str) or not all(isinstance(key, str) for key in ignore_keys):
-        raise TypeError(f"ignore_keys must be an iterable of str, got {ignore_keys!r}")
-    dropped = set(_CONFIG_ONLY_KEYS) | set(ignore_keys)
+    dropped = set(_CONFIG_ONLY_KEYS) | key_names(ignore_keys, "ignore_keys")
     scaling = {k: v for k, v in params.items() if k not in dropped}
     if scaling and "rope_type" not in scaling and "type" not in scaling:
         scaling["rope_type"] = "default"
@@ -101,6 +102,15 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
         rope_type_of(scaling)  # they must agree
         del scaling["type"]
     rope_type = rope_type_of(scaling) if scaling else "default"
+    if rope_type == "proportional":
+        # transformers' proportional RoPE spans the whole head and reads the fraction from its dict
+        # (where it puts a top-level partial_rotary_factor): int(p * head_dim // 2) pairs rotate,
+        # a number that int(head_dim * p) need not be twice of (head_dim 12, p 0.25: 1 pair).
+        rotary_dim = rotary_dim_for(head_dim, 1.0)
+        if partial is not None:
+            scaling["partial_rotary_factor"] = partial
+    else:
+        rotary_dim = rotary_dim_for(head_dim, 1.0 if partial is None else partial)
     entry = ROPE_SCALINGS[rope_type]
     reads_original = "original_max_position_embeddings" in entry.required | entry.optional
     if config.get("original_max_position_embeddings") is not None and reads_original:

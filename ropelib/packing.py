@@ -35,6 +35,10 @@ import torch
 
 from ._validation import check_int, values_readable
 
+#: The most tokens a packed row can have: its int64 positions, ``8 T`` bytes, must be a tensor
+#: PyTorch can size (``2^63 - 1`` bytes at most), so ``T <= 2^60 - 1``.
+MAX_TOKENS = (2**63 - 1) // 8
+
 
 def check_cu_seqlens(cu_seqlens: object, total_tokens: object = None, name: str = "cu_seqlens") -> torch.Tensor:
     """Validate cumulative sequence lengths; return them unchanged.
@@ -66,7 +70,7 @@ def check_cu_seqlens(cu_seqlens: object, total_tokens: object = None, name: str 
     if cu_seqlens.numel() == 0:
         raise ValueError(f"{name} must have at least one entry (cu_seqlens[0] = 0), got an empty tensor")
     if total_tokens is not None and not isinstance(total_tokens, torch.SymInt):  # a SymInt under torch.compile
-        total_tokens = check_int(total_tokens, "total_tokens", minimum=0)
+        total_tokens = check_int(total_tokens, "total_tokens", minimum=0, maximum=MAX_TOKENS)
     if cu_seqlens.device.type == "meta":
         return cu_seqlens
     if not values_readable(cu_seqlens):
@@ -103,7 +107,8 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int | None = None) 
         cu_seqlens: ``[num_docs + 1]`` int32/int64 tensor of cumulative lengths, starting at 0 and
             non-decreasing (flash-attn's ``cu_seqlens``, TransformerEngine's ``thd`` format). Empty
             documents (repeated entries) are allowed.
-        total_tokens: ``cu_seqlens[-1]``, the number of tokens ``T``, if known.
+        total_tokens: ``cu_seqlens[-1]``, the number of tokens ``T``, if known (at most
+            :data:`MAX_TOKENS`, as ``cu_seqlens[-1]`` must be).
 
     Returns:
         int64 tensor ``[T]`` on ``cu_seqlens``'s device.
@@ -114,7 +119,14 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int | None = None) 
         [0, 1, 2, 0, 1, 2, 3, 4, 0, 1]
     """
     cu_seqlens = check_cu_seqlens(cu_seqlens, total_tokens)
-    total = int(cu_seqlens[-1]) if total_tokens is None else total_tokens  # int(...): a host read
+    if total_tokens is not None:
+        return positions_in_documents(cu_seqlens, total_tokens)
+    total = int(cu_seqlens[-1])  # a host read (the output's size)
+    if total > MAX_TOKENS:  # an int64 end near 2^63: arange(total) would overflow its size
+        raise ValueError(
+            f"cu_seqlens[-1] = {total} tokens is more than a packed row's int64 positions can hold "
+            f"(at most {MAX_TOKENS} tokens, 2^63 - 1 bytes)"
+        )
     return positions_in_documents(cu_seqlens, total)
 
 

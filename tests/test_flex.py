@@ -100,3 +100,59 @@ def test_rejects_bad_arguments() -> None:
         bias_setups("shaw", HEADS, SEQ, torch.device("cpu"))
     with pytest.raises(ValueError, match="q, k must be"):
         materialized_bias_attention(q, k[:, :, :5], v, torch.zeros(HEADS, SEQ, SEQ))
+
+
+# ----------------------------------------------------------------------------- score_mods checked against their use
+
+
+def test_alibi_score_mod_needs_one_slope_per_head() -> None:
+    from ropelib import alibi_slopes
+
+    q, k, v = qkv()  # 4 heads
+    for heads in (2, 8):  # 2: past the slopes inside the kernel; 8: the first 4 of 8 heads' slopes, silently
+        with pytest.raises(ValueError, match=f"built by alibi_score_mod for {heads} heads .* q has {HEADS} heads"):
+            flex_bias_attention(q, k, v, alibi_score_mod(alibi_slopes(heads)), compiled=False)
+    with pytest.raises(ValueError, match="slopes must hold one slope per head, got an empty tensor"):
+        alibi_score_mod(torch.zeros(0))
+    with pytest.raises(ValueError, match="score_mod's table is on meta but q is on cpu"):
+        flex_bias_attention(q, k, v, alibi_score_mod(alibi_slopes(HEADS).to("meta")), compiled=False)
+    with pytest.raises(TypeError, match="score_mod must be callable"):
+        flex_bias_attention(q, k, v, None, compiled=False)  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="compiled must be a bool"):
+        flex_bias_attention(q, k, v, alibi_score_mod(alibi_slopes(HEADS)), compiled="no")  # type: ignore[arg-type]
+
+
+def test_t5_score_mod_is_checked_against_the_length_and_heads_it_was_built_for() -> None:
+    q, k, v = qkv()  # 4 heads, 12 positions
+    module = T5RelativeBias(HEADS, num_buckets=8, max_distance=6)
+    with torch.no_grad():
+        module.weight.normal_(std=1.0)
+    # Built for 8 positions, used at 12: offsets down to -11 would wrap around the 15-row table.
+    with pytest.raises(ValueError, match="built by t5_score_mod for seq_len=8 .* q and k have 12 positions"):
+        flex_bias_attention(q, k, v, t5_score_mod(module, 8), compiled=False)
+    with pytest.raises(ValueError, match="built by t5_score_mod for 2 heads .* q has 4 heads"):
+        flex_bias_attention(q, k, v, t5_score_mod(T5RelativeBias(2), SEQ), compiled=False)
+    # A table built for a longer length covers the shorter one: the same attention as the reference.
+    expected = attention_ref(q.double(), k.double(), v.double(), t5_ref(module))
+    out = flex_bias_attention(q, k, v, t5_score_mod(module, SEQ + 5), compiled=False)
+    torch.testing.assert_close(out.double(), expected, **TOL)
+
+
+@pytest.mark.parametrize(
+    "bias,seq_len,error,match",
+    [
+        ("module", 0, ValueError, "seq_len must be >= 1, got 0"),
+        ("module", 4.0, TypeError, "seq_len must be an int, got float"),
+        ("module", True, TypeError, "seq_len must be an int, got bool"),
+        (None, 4, TypeError, "bias must be a ropelib.T5RelativeBias, got NoneType"),
+        (torch.zeros(8, 4), 4, TypeError, "bias must be a ropelib.T5RelativeBias, got Tensor"),
+    ],
+)
+def test_t5_score_mod_rejects_bad_arguments(bias, seq_len, error, match) -> None:
+    from ropelib.encodings.flex import t5_offset_table
+
+    bias = T5RelativeBias(HEADS) if isinstance(bias, str) else bias
+    with pytest.raises(error, match=match):
+        t5_score_mod(bias, seq_len)
+    with pytest.raises(error, match=match):
+        t5_offset_table(bias, seq_len)

@@ -634,6 +634,52 @@ def test_rotary_module_input_checks() -> None:
         HFRotaryEmbedding(object())
 
 
+def test_ignore_keys_advice_is_an_argument_the_module_takes() -> None:
+    # A model-specific key in the rope parameters (transformers lets such keys through with its
+    # ignore_keys): the error advises ignore_keys=, which HFRotaryEmbedding takes.
+    model = tiny_model("llama", "linear")
+    config = model.config.to_dict()
+    config["rope_parameters"] = {**config["rope_parameters"], "vendor_key": 3}
+    with pytest.raises(
+        ValueError, match="unknown keys \\['vendor_key'\\].*ignore_keys= \\(of rope_config, HFRotaryEmbedding"
+    ):
+        HFRotaryEmbedding(config)
+    ours = HFRotaryEmbedding(config, ignore_keys=["vendor_key"])
+    positions = torch.arange(24)[None]
+    want = model.model.rotary_emb(torch.zeros(1), positions)  # transformers' module, without the key
+    got = ours(torch.zeros(1), positions)
+    # float32 angles of transformers: up to 24 * 2 * 2^-24 ~ 3e-6 rad (module docstring), plus rounding
+    for w, g in zip(want, got):
+        assert g.shape == w.shape and torch.allclose(g, w, atol=1e-5, rtol=0.0)
+    with pytest.raises(TypeError, match="ignore_keys must be a collection of key names .* not a bare str"):
+        HFRotaryEmbedding(config, ignore_keys="vendor_key")
+    with pytest.raises(ValueError, match="ignore_keys is for the config read here"):
+        HFRotaryEmbedding(config, rope_options={None: {"head_dim": 16}}, ignore_keys=["vendor_key"])
+
+
+@pytest.mark.parametrize("shape", [(1, 0), (2, 0), (0,)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_empty_position_ids_give_empty_tables_like_transformers(shape: tuple[int, ...], dtype: torch.dtype) -> None:
+    model = tiny_model("llama")
+    positions = torch.zeros(shape, dtype=torch.long)
+    x = torch.zeros(1, dtype=dtype)
+    want = model.model.rotary_emb(x, positions if len(shape) == 2 else positions[None])  # transformers: [batch, seq]
+    got = HFRotaryEmbedding(model.config)(x, positions)
+    assert [(t.shape, t.dtype) for t in got] == [(t.shape, t.dtype) for t in want]
+    assert want[0].shape == (shape[0] if len(shape) == 2 else 1, 0, 16)
+
+
+def test_empty_mrope_position_ids_give_empty_tables_like_transformers() -> None:
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
+
+    text = transformers.Qwen2VLTextConfig(**mrope_text([2, 3, 3]))
+    theirs = Qwen2VLRotaryEmbedding(text)
+    ours = HFRotaryEmbedding(text, mrope_section=[2, 3, 3], rope_options=hf.families.mrope_options(text.to_dict()))
+    for positions in (torch.zeros(3, 1, 0, dtype=torch.long), torch.zeros(3, 2, 0, dtype=torch.long)):
+        want, got = theirs(torch.zeros(1), positions), ours(torch.zeros(1), positions)
+        assert [t.shape for t in got] == [t.shape for t in want] == [(positions.shape[1], 0, 16)] * 2
+
+
 def test_exported_from_the_package() -> None:
     for name in ("HFRotaryEmbedding", "patch_hf_rope", "unpatch_hf_rope", "use_ropelib_rope"):
         assert getattr(ropelib, name) is getattr(hf, name)

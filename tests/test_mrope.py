@@ -96,17 +96,19 @@ def test_tables_match_the_float64_reference(interleaved: bool) -> None:
         assert (sin.double() - want.sin()).abs().max() <= atol
 
 
-def hf_text_rotary(kind: str, section: list[int]) -> torch.nn.Module:
+def hf_text_rotary(kind: str, section: list[int], head_dim: int = 16) -> torch.nn.Module:
     """transformers' own M-RoPE module: Qwen2-VL (contiguous sections) or Qwen3-VL (interleaved)."""
     params = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": section}
     if kind == "qwen2_vl":
         from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRotaryEmbedding
 
-        config = transformers.Qwen2VLTextConfig(hidden_size=64, num_attention_heads=4, rope_parameters=params)
+        config = transformers.Qwen2VLTextConfig(hidden_size=4 * head_dim, num_attention_heads=4, rope_parameters=params)
         return Qwen2VLRotaryEmbedding(config)
     from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
 
-    config = transformers.Qwen3VLTextConfig(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=params)
+    config = transformers.Qwen3VLTextConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_parameters=params
+    )
     return Qwen3VLTextRotaryEmbedding(config)
 
 
@@ -128,6 +130,39 @@ def test_tables_and_rotation_match_transformers(kind: str) -> None:
     assert torch.allclose(sin, torch.cat((my_sin, my_sin), -1), atol=1e-5, rtol=0.0)
     generator = torch.Generator().manual_seed(0)
     q, k = torch.randn(2, 13, 4, 16, generator=generator), torch.randn(2, 13, 2, 16, generator=generator)
+    want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+    got_q, got_k = ours(q, k, positions)
+    assert torch.allclose(got_q, want_q.transpose(1, 2), atol=5e-5, rtol=0.0)
+    assert torch.allclose(got_k, want_k.transpose(1, 2), atol=5e-5, rtol=0.0)
+
+
+@pytest.mark.parametrize("kind,section", [("qwen2_vl", [2, 1, 3]), ("qwen3_vl", [3, 2, 1])])
+def test_unequal_height_and_width_sections_match_transformers(kind: str, section: list[int]) -> None:
+    # Height and width get different numbers of pairs (1 and 3; 2 and 1), and the image grids
+    # have different heights and widths: swapping the two axes' sections (or positions) changes
+    # the tables, so this comparison with transformers' own module and apply would catch it.
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import apply_rotary_pos_emb
+
+    from ropelib.integrations.huggingface import HFRotaryEmbedding
+
+    interleaved = kind == "qwen3_vl"
+    theirs = hf_text_rotary(kind, section, head_dim=12)
+    one = mrope_positions([2, (1, 4, 6), 3], spatial_merge_size=2)  # a 1 x 2 x 3 grid of tokens
+    other = mrope_positions([1, (2, 2, 4), 6], spatial_merge_size=2)  # a 2 x 1 x 2 grid
+    positions = torch.stack((one, other), dim=1)  # [3, batch 2, seq 11]
+    assert not torch.equal(positions[1], positions[2])  # height and width positions differ
+    x = torch.zeros(1)
+    with torch.no_grad():
+        cos, sin = theirs(x, positions)  # [2, 11, 12]
+    ours = MRotaryEmbedding(head_dim=12, mrope_section=section, interleaved=interleaved, kernel="torch")
+    my_cos, my_sin = ours.tables(positions)
+    assert torch.allclose(cos, torch.cat((my_cos, my_cos), -1), atol=1e-5, rtol=0.0)
+    assert torch.allclose(sin, torch.cat((my_sin, my_sin), -1), atol=1e-5, rtol=0.0)
+    module = HFRotaryEmbedding({"head_dim": 12}, mrope_section=section, mrope_interleaved=interleaved)
+    hf_cos, hf_sin = module(x, positions)
+    assert torch.allclose(cos, hf_cos, atol=1e-5, rtol=0.0) and torch.allclose(sin, hf_sin, atol=1e-5, rtol=0.0)
+    generator = torch.Generator().manual_seed(5)
+    q, k = torch.randn(2, 11, 4, 12, generator=generator), torch.randn(2, 11, 2, 12, generator=generator)
     want_q, want_k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     got_q, got_k = ours(q, k, positions)
     assert torch.allclose(got_q, want_q.transpose(1, 2), atol=5e-5, rtol=0.0)

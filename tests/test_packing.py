@@ -187,3 +187,41 @@ def test_packed_rotation_compiles_to_one_graph() -> None:
     compiled = torch.compile(lambda q, k, cu: rope(q, k, cu_seqlens=cu), fullgraph=True)
     for got, want in zip(compiled(q, k, cu), rope(q, k, cu_seqlens=cu)):
         torch.testing.assert_close(got, want, rtol=0.0, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- sizes at the edge of int64
+
+
+@pytest.mark.parametrize("end", [2**63 - 1, 2**62, 2**60])
+def test_an_end_past_what_int64_positions_can_hold_raises(end: int) -> None:
+    # T int64 positions take 8 T bytes, and PyTorch sizes a tensor by a signed 64-bit byte count:
+    # T <= (2^63 - 1) // 8 = 2^60 - 1 (by hand). arange(T) past that overflowed in a RuntimeError.
+    with pytest.raises(ValueError, match=rf"cu_seqlens\[-1\] = {end} tokens is more than .* {2**60 - 1} tokens"):
+        packed_positions(torch.tensor([0, 3, end]))
+    with pytest.raises(ValueError, match=rf"total_tokens must be <= {2**60 - 1}, got {end}"):
+        packed_positions(torch.tensor([0, 3, end]), total_tokens=end)
+    with pytest.raises(ValueError, match=rf"total_tokens must be <= {2**60 - 1}, got {end}"):
+        check_cu_seqlens(torch.tensor([0, end]), end)
+    # The largest allowed size itself is one PyTorch can make (a meta tensor: no memory).
+    limit = 2**60 - 1
+    assert packed_positions(torch.tensor([0, limit], device="meta"), total_tokens=limit).shape == (limit,)
+
+
+def test_packed_rotation_messages_describe_what_was_given() -> None:
+    rope = RotaryEmbedding(8)
+    q, k = torch.randn(1, 6, 2, 8), torch.randn(1, 6, 1, 8)
+    cos, sin = rope.cos_sin_cache(6)
+    cu = torch.tensor([0, 2, 6])
+    # flash-attn's [tokens, heads, d] beside a [1, tokens, heads, d]: both shapes as given
+    for q_in, k_in in ((q[0], k), (q, k[0])):
+        with pytest.raises(ValueError, match="must both be") as caught:
+            rotary_qk(q_in, k_in, cos, sin, cu_seqlens=cu)
+        message = str(caught.value)
+        assert f"q of shape {tuple(q_in.shape)}" in message and f"k of shape {tuple(k_in.shape)}" in message
+    # a document of 4 tokens needs 4 rows; the table has 3
+    with pytest.raises(ValueError, match=r"must be < 4 \(at most the table's 3 rows\), got a document of 4 tokens"):
+        rotary_qk(q, k, cos[:3], sin[:3], cu_seqlens=cu)
+    got = rotary_qk(q, k, cos[:4], sin[:4], cu_seqlens=cu)  # 4 rows suffice for a document of 4
+    for out, x in zip(got, (q, k)):
+        want = torch.cat([rotate_ref(x[:, a:b], torch.arange(b - a)) for a, b in ((0, 2), (2, 6))], 1)
+        assert (out.double() - want).abs().max() <= 8 * 2**-23 * x.abs().max()

@@ -435,6 +435,18 @@ CASES: list[Case] = [
     ),
     raises("register_scaling", ValueError, "registered already", lambda: rl.register_scaling("linear")),
     raises("register_scaling", TypeError, "name must be a non-empty str", lambda: rl.register_scaling("")),
+    raises(  # a bare string would register its letters
+        "register_scaling",
+        TypeError,
+        "required must be a collection of key names",
+        lambda: rl.register_scaling("letters", required="factor"),
+    ),
+    raises(  # rotary_dim 8 needs 4 frequencies: 3 are refused at registration
+        "register_scaling",
+        ValueError,
+        r"refuses the scaling.*shape \[3\]; expected a float64 tensor \[rotary_dim // 2\] = \[4\]",
+        lambda: rl.register_scaling("three")(lambda d, b, p, **_: (torch.ones(3, dtype=torch.float64), 1.0)),
+    ),
     # ---- the peers' features (issue 11): one case per new argument or name
     gives(
         "rotary_qk",  # flash-attn's seqlen_offsets: token s of row b at offsets[b] + s
@@ -893,6 +905,12 @@ CASES: list[Case] = [
     ),
     raises("packed_positions", ValueError, "cu_seqlens", lambda: rl.packed_positions(torch.tensor([0, 3, 2]))),
     raises("packed_positions", TypeError, "cu_seqlens", lambda: rl.packed_positions(torch.tensor([0.0, 3.0]))),
+    raises(  # an int64 end near 2^63: more positions than an int64 tensor can hold (2^60 - 1)
+        "packed_positions",
+        ValueError,
+        r"cu_seqlens\[-1\] = 9223372036854775807 tokens",
+        lambda: rl.packed_positions(torch.tensor([0, 2**63 - 1])),
+    ),
     gives("shard_positions", lambda r: r.tolist() == [0, 1, 6, 7], lambda: rl.shard_positions(8, 2, 0)),
     raises("shard_positions", ValueError, "rank", lambda: rl.shard_positions(8, 2, 2)),
     raises("shard_positions", ValueError, "divisible", lambda: rl.shard_positions(6, 2, 0)),
@@ -938,6 +956,22 @@ CASES: list[Case] = [
         "HFRotaryEmbedding",
         shapes((1, 3, 8), (1, 3, 8)),
         lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1, device=META), torch.arange(3, device=META)[None]),
+    ),
+    raises(
+        "HFRotaryEmbedding",
+        ValueError,
+        r"ignore_keys= \(of rope_config, HFRotaryEmbedding",
+        lambda: rl.HFRotaryEmbedding({**CONFIG, "rope_parameters": {**LINEAR, "vendor": 1}}),
+    ),
+    gives(
+        "HFRotaryEmbedding",
+        lambda r: r.rope.scaling == LINEAR,
+        lambda: rl.HFRotaryEmbedding({**CONFIG, "rope_parameters": {**LINEAR, "vendor": 1}}, ignore_keys=["vendor"]),
+    ),
+    gives(
+        "HFRotaryEmbedding",
+        shapes((1, 0, 8), (1, 0, 8)),
+        lambda: rl.HFRotaryEmbedding(CONFIG)(torch.zeros(1), torch.zeros(1, 0, dtype=torch.long)),
     ),
     raises("patch_hf_rope", TypeError, "model must be a torch.nn.Module", lambda: rl.patch_hf_rope("llama")),
     raises(

@@ -1,4 +1,4 @@
-"""Issue 11, the peers' API features: each tested against the peer's own output or a hand-written reference.
+"""The rotation's options that peers' APIs have: each against the peer's own output or a hand-written reference.
 
 * flash-attn ``seqlen_offsets`` and differentiable ``inplace=True`` (flash-attn is not installed: its
   documented behaviour, ``apply_rotary_emb(x, cos, sin, inplace, seqlen_offsets)`` in

@@ -8,7 +8,10 @@ al., 2024). Both sides are float64, so they agree to rounding: tolerance 1e-12 r
 
 from __future__ import annotations
 
+import copy
+import logging
 import math
+import re
 import warnings
 
 import pytest
@@ -693,3 +696,254 @@ def test_longrope_switches_strictly_past_the_original_length(seq_len: int | None
     inv, _ = scaled_inverse_frequencies(4, 100.0, scaling, max_position_embeddings=256, seq_len=seq_len)
     chosen = short if factors == "short" else long
     assert inv.tolist() == pytest.approx([1.0 / chosen[0], 0.1 / chosen[1]], rel=1e-15)
+
+
+# ----------------------------------------------------------------------------- register_scaling checks its plugin
+
+
+def _plugin(result):
+    """A scaling function returning ``result(rotary_dim)`` whatever it is asked."""
+
+    def compute(rotary_dim, theta, params, **_):
+        return result(rotary_dim)
+
+    return compute
+
+
+def _f64(n: int, value: float = 0.5) -> torch.Tensor:
+    return torch.full((n,), value, dtype=torch.float64)
+
+
+@pytest.mark.parametrize(
+    "result,error,match",
+    [
+        # rotary_dim 8 rotates 8 / 2 = 4 pairs: 3 or 8 frequencies would rotate mismatched pairs
+        (lambda d: (_f64(d // 2 - 1), 1.0), ValueError, r"shape \[3\]; expected a float64 tensor .*\[4\]"),
+        (lambda d: (_f64(d), 1.0), ValueError, r"shape \[8\]; expected a float64 tensor .*\[4\]"),
+        (lambda d: (_f64(d // 2).float(), 1.0), TypeError, r"dtype torch.float32; expected a float64 tensor"),
+        (lambda d: ([0.5] * (d // 2), 1.0), TypeError, r"inv_freq a float64 tensor"),
+        (lambda d: (_f64(d // 2).to("meta"), 1.0), ValueError, r"inv_freq on meta; expected .* on the CPU"),
+        (lambda d: (_f64(d // 2, math.nan), 1.0), ValueError, "non-finite or negative"),
+        (lambda d: (_f64(d // 2, -1.0), 1.0), ValueError, "non-finite or negative"),
+        (lambda d: (_f64(d // 2), torch.tensor(1.0)), TypeError, "attention_scaling=tensor.*expected a Python float"),
+        (lambda d: (_f64(d // 2), "1.0"), TypeError, "attention_scaling='1.0'.*expected a Python float"),
+        (lambda d: (_f64(d // 2), True), TypeError, "attention_scaling=True"),
+        (lambda d: (_f64(d // 2), math.inf), ValueError, r"attention scaling \(inf\)"),
+        (lambda d: _f64(d // 2), TypeError, "must return \\(inv_freq, attention_scaling\\)"),
+    ],
+)
+def test_register_scaling_refuses_a_plugin_that_breaks_the_contract(result, error, match) -> None:
+    before = dict(ROPE_SCALINGS)
+    for required in ((), {"factor"}):  # the probe fills a required factor (2.0) itself
+        with pytest.raises(error, match=match) as caught:
+            ropelib.register_scaling("bad_plugin", required=required)(_plugin(result))
+        assert "register_scaling('bad_plugin') refuses the scaling" in str(caught.value)
+    assert ROPE_SCALINGS == before  # nothing registered
+
+
+def test_register_scaling_accepts_a_good_plugin_and_checks_every_call() -> None:
+    seen: list[dict] = []
+
+    def half_pairs(rotary_dim, theta, params, **_):
+        seen.append(dict(params))
+        # right for the probe's rotary_dim 8, wrong for any other: 4 frequencies always
+        return torch.tensor([1.0, 0.1, 0.01, 0.001], dtype=torch.float64), 1.0
+
+    try:
+        ropelib.register_scaling("four_pairs", required={"factor"})(half_pairs)
+        assert seen == [{"rope_type": "four_pairs", "factor": 2.0}]  # the probe, with its factor
+        inv, scale = scaled_inverse_frequencies(8, 1e4, {"rope_type": "four_pairs", "factor": 3.0})
+        assert inv.tolist() == [1.0, 0.1, 0.01, 0.001] and scale == 1.0
+        # rotary_dim 16 needs 16 / 2 = 8 frequencies: the call is refused, not rotated with 4
+        with pytest.raises(ValueError, match=r"rope_type='four_pairs'.*shape \[4\]; expected .*\[8\]"):
+            scaled_inverse_frequencies(16, 1e4, {"rope_type": "four_pairs", "factor": 3.0})
+        with pytest.raises(ValueError, match=r"shape \[4\]; expected .*\[8\]"):
+            RotaryEmbedding(16, scaling={"rope_type": "four_pairs", "factor": 3.0})
+    finally:
+        ROPE_SCALINGS.pop("four_pairs", None)
+
+
+def test_register_scaling_probe_argument() -> None:
+    def needs_a_list(rotary_dim, theta, params, **_):
+        weights = params["weights"]
+        if not isinstance(weights, list) or len(weights) != rotary_dim // 2:
+            raise TypeError("scaling['weights'] must be a list of rotary_dim // 2 numbers")
+        return torch.tensor(weights, dtype=torch.float64)[:-1], 1.0  # one too few
+
+    try:
+        # The guessed probe ({"weights": 1.0}) does not suit it: the registration proves nothing...
+        ropelib.register_scaling("weights", required={"weights"})(needs_a_list)
+        # ...and the first real call is checked all the same.
+        with pytest.raises(ValueError, match=r"shape \[3\]; expected .*\[4\]"):
+            scaled_inverse_frequencies(8, 1e4, {"rope_type": "weights", "weights": [1.0, 0.5, 0.25, 0.125]})
+        # With a probe that suits it, the registration itself refuses it.
+        with pytest.raises(ValueError, match=r"refuses the scaling.*shape \[3\]; expected .*\[4\]"):
+            ropelib.register_scaling("weights", required={"weights"}, replace=True, probe={"weights": [1.0] * 4})(
+                needs_a_list
+            )
+        with pytest.raises(ValueError, match=r"probe=\.\.\.\): needs_a_list\(8, .*raised TypeError"):
+            ropelib.register_scaling("weights", required={"weights"}, replace=True, probe={"weights": 2.0})(
+                needs_a_list
+            )
+        with pytest.raises(TypeError, match="probe must be a scaling dict or None, got list"):
+            ropelib.register_scaling("weights", replace=True, probe=[1.0])  # type: ignore[arg-type]
+    finally:
+        ROPE_SCALINGS.pop("weights", None)
+
+
+@pytest.mark.parametrize("argument", ["required", "optional"])
+def test_register_scaling_refuses_a_bare_string_of_keys(argument: str) -> None:
+    before = dict(ROPE_SCALINGS)
+    with pytest.raises(TypeError, match=rf"{argument} must be a collection of key names .* not a bare str 'factor'"):
+        ropelib.register_scaling("letters", **{argument: "factor"})
+    with pytest.raises(TypeError, match=rf"{argument} must hold str key names, got 1"):
+        ropelib.register_scaling("letters", **{argument: [1]})
+    with pytest.raises(TypeError, match=rf"{argument} must be a collection of key names"):
+        ropelib.register_scaling("letters", **{argument: 5})
+    assert ROPE_SCALINGS == before
+    try:  # a list or a generator of names registers the names (a generator read once)
+        ropelib.register_scaling("letters", **{argument: (key for key in ["factor"])})(
+            lambda d, theta, params, **_: (torch.ones(d // 2, dtype=torch.float64), 1.0)
+        )
+        assert getattr(ROPE_SCALINGS["letters"], argument) == frozenset({"factor"})
+    finally:
+        ROPE_SCALINGS.pop("letters", None)
+
+
+def test_ignore_keys_refuses_a_bare_string() -> None:
+    scaling = {"rope_type": "linear", "factor": 2.0, "mrope_section": [1, 1]}
+    with pytest.raises(TypeError, match="ignore_keys must be a collection of key names .* not a bare str"):
+        scaled_inverse_frequencies(4, 100.0, scaling, ignore_keys="mrope_section")
+    inv, _ = scaled_inverse_frequencies(4, 100.0, scaling, ignore_keys=(k for k in ["mrope_section"]))
+    assert inv.tolist() == [0.5, 0.05]  # a generator is read once, not consumed by the check
+
+
+# ----------------------------------------------------------------------------- warnings: parity with transformers
+
+
+class _Records(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def transformers_rope_warnings(parameters: dict, max_positions: int, head_dim: int = 16) -> list[str]:
+    """What transformers' own config validation (validate_rope, run by the config) logs for ``parameters``."""
+    transformers = pytest.importorskip("transformers")
+    logger = logging.getLogger("transformers.modeling_rope_utils")
+    records = _Records()
+    logger.addHandler(records)
+    logging.Logger.warning_once.cache_clear()  # transformers' warning_once: once per message per process
+    try:
+        transformers.LlamaConfig(
+            hidden_size=4 * head_dim,
+            num_attention_heads=4,
+            head_dim=head_dim,
+            max_position_embeddings=max_positions,
+            rope_parameters=copy.deepcopy(parameters),
+        )
+    finally:
+        logger.removeHandler(records)
+    return records.messages
+
+
+def ropelib_rope_warnings(parameters: dict, max_positions: int, head_dim: int = 16) -> list[str]:
+    """What ropelib warns when it reads the same config."""
+    config = {
+        "hidden_size": 4 * head_dim,
+        "num_attention_heads": 4,
+        "head_dim": head_dim,
+        "max_position_embeddings": max_positions,
+        "rope_parameters": copy.deepcopy(parameters),
+    }
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        rope_config(config)
+        RotaryEmbedding.from_config(config)
+    return [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
+
+
+_LLAMA3 = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
+_LONGROPE = {"rope_type": "longrope", "short_factor": [1.0] * 8, "long_factor": [2.0] * 8}
+# (rope_parameters, max_position_embeddings, whether transformers warns, what ropelib's warning says)
+WARNING_CASES = [
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 2048, True, "does not match"),
+    # original above max: an implicit factor 512 / 1024 = 0.5 that disagrees with 4
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 512, True, "does not match"),
+    ({"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024}, 4096, False, None),
+    ({"rope_type": "yarn", "factor": 4.0}, 4096, False, None),  # original := max: implicit factor 1
+    (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": 1},
+        4096,
+        True,
+        r"attention_factor'\]=1 is a int, not a float",
+    ),
+    (
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024, "attention_factor": 1.5},
+        4096,
+        False,
+        None,
+    ),
+    ({**_LLAMA3, "original_max_position_embeddings": 8192}, 8192, True, "should be less than"),
+    ({**_LLAMA3, "original_max_position_embeddings": 16384}, 8192, True, "should be less than"),
+    ({**_LLAMA3, "original_max_position_embeddings": 8192}, 131072, False, None),
+    (_LLAMA3, 8192, True, r"8192 \(by default\) should be less than"),  # original := max
+    ({**_LONGROPE, "original_max_position_embeddings": 64}, 256, True, "has no 'factor'"),
+    (_LONGROPE, 256, True, "has no 'factor'"),
+    ({**_LONGROPE, "factor": 4.0, "original_max_position_embeddings": 64}, 256, False, None),
+    ({"rope_type": "proportional"}, 256, True, "without scaling\\['partial_rotary_factor'\\]"),
+    ({"rope_type": "proportional", "partial_rotary_factor": 0.25}, 256, False, None),
+    ({"rope_type": "proportional", "partial_rotary_factor": 0.25, "factor": 2.0}, 256, True, "is not a key"),
+    ({"rope_type": "linear", "factor": 2.0}, 256, False, None),
+    ({"rope_type": "dynamic", "factor": 2.0}, 256, False, None),
+    ({"rope_type": "default"}, 256, False, None),
+]
+
+
+@pytest.mark.parametrize("parameters,max_positions,warns,match", WARNING_CASES, ids=[str(c[:2]) for c in WARNING_CASES])
+def test_warns_where_transformers_warns(parameters: dict, max_positions: int, warns: bool, match: str | None) -> None:
+    parameters = {**parameters, "rope_theta": 10000.0}
+    theirs = transformers_rope_warnings(parameters, max_positions)
+    ours = ropelib_rope_warnings(parameters, max_positions)
+    assert bool(theirs) == warns, theirs  # transformers' own behaviour on this dict...
+    assert bool(ours) == warns, ours  # ...and ropelib's, the same
+    if match is not None:
+        assert all(re.search(match, message) for message in ours), ours
+
+
+# ----------------------------------------------------------------------------- proportional: a fraction of pairs
+
+
+@pytest.mark.parametrize("head_dim,partial", [(12, 0.25), (20, 0.25), (12, 0.75)])
+@pytest.mark.parametrize("where", ["rope_parameters", "top level"])
+def test_proportional_with_a_fractional_number_of_pairs_matches_transformers(
+    head_dim: int, partial: float, where: str
+) -> None:
+    # p * d / 2 is not whole (12 * 0.25 / 2 = 1.5): transformers rotates int(p * d // 2) pairs (1 here)
+    # at the full head's frequencies theta^(-2i/d), the others not at all; int(p * d) is odd.
+    transformers = pytest.importorskip("transformers")
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    parameters = {"rope_type": "proportional", "rope_theta": 10000.0, "partial_rotary_factor": partial}
+    config = transformers.PretrainedConfig(
+        hidden_size=4 * head_dim, num_attention_heads=4, head_dim=head_dim, rope_parameters=dict(parameters)
+    )
+    want, want_scale = ROPE_INIT_FUNCTIONS["proportional"](config, "cpu")
+    assert want.shape == (head_dim // 2,) and int((want != 0).sum()) == int(partial * head_dim // 2)
+    config_dict = {"hidden_size": 4 * head_dim, "num_attention_heads": 4, "head_dim": head_dim}
+    if where == "top level":
+        config_dict["partial_rotary_factor"] = partial
+        config_dict["rope_parameters"] = {"rope_type": "proportional", "rope_theta": 10000.0}
+    else:
+        config_dict["rope_parameters"] = dict(parameters)
+    options = rope_config(config_dict)
+    assert options["rotary_dim"] == head_dim and options["scaling"]["partial_rotary_factor"] == partial
+    rope = RotaryEmbedding.from_config(config_dict)
+    # transformers computes in float32: one rounding of base ** (float32 exponent), ~ln(1e4) * 2^-24
+    torch.testing.assert_close(rope.cache.inv_freq, want.double(), rtol=2e-6, atol=0)
+    assert torch.equal(rope.cache.inv_freq == 0, want == 0) and rope.attention_scaling == want_scale == 1.0
+    got, _ = scaled_inverse_frequencies(head_dim, 10000.0, parameters)
+    torch.testing.assert_close(got, want.double(), rtol=2e-6, atol=0)

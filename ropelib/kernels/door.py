@@ -21,6 +21,7 @@ from .._validation import (
     check_position_range,
     check_positions,
     check_qk,
+    values_readable,
 )
 from ..layouts import LAYOUTS
 from ..packing import check_cu_seqlens
@@ -163,7 +164,13 @@ def check_packed(positions: object, seqlen_offsets: object) -> None:
 def _packed(q: Any, k: Any, positions: object, seqlen_offsets: object) -> tuple[Any, Any, bool]:
     """A packed row's ``q``/``k`` as ``[1, tokens, heads, d]`` (flash-attn's ``[tokens, heads, d]`` too)."""
     check_packed(positions, seqlen_offsets)
-    flat = isinstance(q, torch.Tensor) and q.ndim == 3 and isinstance(k, torch.Tensor)
+    both = isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    if both and q.ndim != k.ndim and 3 in (q.ndim, k.ndim):
+        raise ValueError(
+            "with cu_seqlens, q and k must both be [tokens, heads, head_dim] or both [1, tokens, heads, head_dim], "
+            f"got q of shape {tuple(q.shape)} and k of shape {tuple(k.shape)}"
+        )
+    flat = both and q.ndim == 3
     if flat:
         q, k = q.unsqueeze(0), k.unsqueeze(0)
     return q, k, flat
@@ -246,7 +253,17 @@ def rotary_qk(
             raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
         if length < seq:  # a document longer than the table would read past it
             lengths = cu_seqlens[1:] - cu_seqlens[:-1]
-            check_position_range(lengths, "cu_seqlens' document lengths", minimum=None, limit=length + 1)
+            rows = f"at most the table's {length} rows"
+            if values_readable(lengths) and lengths.numel():
+                longest = int(lengths.max())
+                if longest > length:
+                    raise ValueError(
+                        f"cu_seqlens' document lengths must be < {length + 1} ({rows}), got a document of "
+                        f"{longest} tokens; pass a longer cos/sin table"
+                    )
+            else:  # queued on the device, by the rule of ropelib._validation
+                name = f"cu_seqlens' document lengths ({rows})"
+                check_position_range(lengths, name, minimum=None, limit=length + 1)
         positions = torch.zeros(1, dtype=torch.long, device=q.device).expand(seq)  # unused: cu_seqlens rules
     elif positions is None:
         offset_rows = None if no_offsets(seqlen_offsets) else offset_positions(seqlen_offsets, batch, seq, q.device)

@@ -15,8 +15,10 @@ The dict is read with the keys and defaults of model ``config.json`` files (Hugg
 required keys raise; unlike Hugging Face, which logs a warning for them, unknown keys and
 impossible values raise too (model-specific extra keys can be let through with ``ignore_keys``).
 Where Hugging Face warns about a consistent but suspicious dict (a YaRN ``factor`` that is not
-``max_position_embeddings / original_max_position_embeddings``, a Llama 3 original length that
-is not below ``max_position_embeddings``), ropelib warns too (:class:`UserWarning`).
+``max_position_embeddings / original_max_position_embeddings`` or a YaRN ``attention_factor``
+that is not a float, a Llama 3 original length that is not below ``max_position_embeddings``, a
+LongRoPE dict without ``factor``, a ``proportional`` dict without ``partial_rotary_factor`` or
+with ``factor``), ropelib warns too (:class:`UserWarning`).
 
 Notation: ``d`` is the rotary dimension, ``b`` the base ``theta``, ``inv_i = b^(-2i/d)``,
 ``lambda_i = 2 pi / inv_i`` the wavelength of pair ``i`` in tokens, ``s`` the ``factor`` and
@@ -25,6 +27,7 @@ Notation: ``d`` is the rotary dimension, ``b`` the base ``theta``, ``inv_i = b^(
 
 from __future__ import annotations
 
+import numbers
 import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -40,7 +43,7 @@ from .linear import linear_scaling
 from .llama3 import llama3_scaling
 from .longrope import longrope_scaling
 from .proportional import proportional_scaling
-from .registry import COMMON_KEYS, ROPE_SCALINGS, RopeScaling, register_scaling
+from .registry import COMMON_KEYS, ROPE_SCALINGS, RopeScaling, check_computed, key_names, register_scaling
 from .yarn import yarn_correction_dim, yarn_get_mscale, yarn_ramp, yarn_scaling
 
 __all__ = [
@@ -82,27 +85,63 @@ def rope_type_of(scaling: Mapping[str, Any] | None) -> str:
     return check_choice(names.pop(), "scaling['rope_type']", sorted(ROPE_SCALINGS))
 
 
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=4)  # at the function that called validate_scaling
+
+
 def _warn_like_transformers(rope_type: str, scaling: Mapping[str, Any], max_position_embeddings: int | None) -> None:
-    """The warnings ``transformers`` gives for these dicts (``validate_rope``), as :class:`UserWarning`."""
-    original = scaling.get("original_max_position_embeddings")
-    if max_position_embeddings is None or not isinstance(original, int) or isinstance(original, bool):
-        return
-    if rope_type == "yarn" and original > 0:
-        implicit = max_position_embeddings / original
-        if implicit != 1 and implicit != scaling.get("factor"):
-            warnings.warn(
-                f"scaling['factor']={scaling.get('factor')} does not match max_position_embeddings / "
-                f"original_max_position_embeddings = {implicit}; the explicit factor is used (as in transformers)",
-                UserWarning,
-                stacklevel=3,
+    """The warnings ``transformers`` gives for these dicts, as :class:`UserWarning`, where ropelib accepts the dict.
+
+    They mirror ``RotaryEmbeddingConfigMixin._validate_<rope_type>_rope_parameters`` of
+    ``transformers.modeling_rope_utils``, run after its ``standardize_rope_params``, which fills a
+    missing ``original_max_position_embeddings`` of ``yarn``, ``llama3`` and ``longrope`` with
+    ``max_position_embeddings`` (as ropelib reads it too). The checks transformers only warns about
+    but ropelib refuses (a factor below 1, unknown keys, ...) raise instead, in the scalings.
+    """
+    given = scaling.get("original_max_position_embeddings")
+    original = max_position_embeddings if given is None else given
+    # Both lengths as positive ints (else the scaling raises about them, and there is nothing to compare).
+    lengths: tuple[int, int] | None = None
+    if isinstance(original, numbers.Integral) and not isinstance(original, bool) and int(original) > 0:
+        if max_position_embeddings is not None:
+            lengths = int(original), max_position_embeddings
+    if rope_type == "yarn":
+        if lengths is not None:
+            implicit = lengths[1] / lengths[0]
+            if implicit != 1 and implicit != scaling.get("factor"):
+                _warn(
+                    f"scaling['factor']={scaling.get('factor')} does not match max_position_embeddings / "
+                    f"original_max_position_embeddings = {max_position_embeddings} / {original} = {implicit}; "
+                    "the explicit factor is used (as transformers warns)"
+                )
+        attention_factor = scaling.get("attention_factor")
+        if attention_factor is not None and not isinstance(attention_factor, float):
+            _warn(
+                f"scaling['attention_factor']={attention_factor!r} is a {type(attention_factor).__name__}, not a "
+                "float (transformers warns that it must be a float greater than 0); its value is used"
             )
-    if rope_type == "llama3" and original >= max_position_embeddings:
-        warnings.warn(
-            f"scaling['original_max_position_embeddings']={original} should be less than "
-            f"max_position_embeddings={max_position_embeddings} (as transformers warns)",
-            UserWarning,
-            stacklevel=3,
+    if rope_type == "llama3" and lengths is not None and lengths[0] >= lengths[1]:
+        default = "" if given is not None else " (by default)"
+        _warn(
+            f"scaling['original_max_position_embeddings']={original}{default} should be less than "
+            f"max_position_embeddings={max_position_embeddings} (as transformers warns)"
         )
+    if rope_type == "longrope" and scaling.get("factor") is None and max_position_embeddings is not None:
+        _warn(
+            "scaling has no 'factor': it is taken as max_position_embeddings / original_max_position_embeddings "
+            f"= {max_position_embeddings} / {original}; give scaling['factor'] (transformers warns and recommends it)"
+        )
+    if rope_type == "proportional":
+        if scaling.get("partial_rotary_factor") is None:
+            _warn(
+                "rope_type='proportional' without scaling['partial_rotary_factor'] rotates every pair (the fraction "
+                "defaults to 1.0, plain RoPE divided by the factor); give a fraction in [0, 1) (as transformers warns)"
+            )
+        if "factor" in scaling:
+            _warn(
+                "scaling['factor'] is not a key of rope_type='proportional' to transformers' validation (it warns "
+                "'Unrecognized keys'), though its frequencies are divided by it there as here"
+            )
 
 
 def validate_scaling(
@@ -119,8 +158,7 @@ def validate_scaling(
     through unread, as ``transformers``' ``ignore_keys``.
     """
     rope_type = rope_type_of(scaling)
-    if isinstance(ignore_keys, str) or not all(isinstance(key, str) for key in ignore_keys):
-        raise TypeError(f"ignore_keys must be an iterable of str, got {ignore_keys!r}")
+    ignore_keys = key_names(ignore_keys, "ignore_keys")
     entry = ROPE_SCALINGS[rope_type]
     keys = set(scaling) - set(ignore_keys)
     if "partial_rotary_factor" in keys - entry.optional:
@@ -133,7 +171,8 @@ def validate_scaling(
         raise ValueError(
             f"unknown keys {sorted(unknown)} for rope_type={rope_type!r}; it takes "
             f"{sorted(entry.required)} (required) and {sorted(entry.optional)} (optional); "
-            "pass ignore_keys= for model-specific keys"
+            "remove model-specific keys from the dict, or let them through with ignore_keys= (of rope_config, "
+            "HFRotaryEmbedding, validate_scaling and scaled_inverse_frequencies)"
         )
     missing = {key for key in entry.required if scaling.get(key) is None}
     if missing:
@@ -187,15 +226,14 @@ def scaled_inverse_frequencies(
     rope_type = validate_scaling(
         scaling, theta, max_position_embeddings=max_position_embeddings, ignore_keys=ignore_keys
     )
-    inv_freq, attention_scaling = ROPE_SCALINGS[rope_type].compute(
+    result = ROPE_SCALINGS[rope_type].compute(
         rotary_dim, theta, scaling, max_position_embeddings=max_position_embeddings, seq_len=seq_len
     )
-    if not (torch.isfinite(inv_freq).all() and inv_freq.ge(0).all()) or not 0 < attention_scaling < float("inf"):
-        raise ValueError(
-            f"rope_type={rope_type!r} gave non-finite or negative frequencies or attention scaling "
-            f"({attention_scaling}) for theta={theta}, rotary_dim={rotary_dim}; check the scaling's values"
+    if not isinstance(result, tuple) or len(result) != 2:
+        raise TypeError(
+            f"the scaling function of rope_type={rope_type!r} must return (inv_freq, attention_scaling), got {result!r}"
         )
-    return inv_freq, attention_scaling
+    return check_computed(rope_type, *result, rotary_dim)
 
 
 def _seq_len(seq_len: object) -> int | None:

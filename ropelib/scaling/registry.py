@@ -14,6 +14,7 @@ import math
 import numbers
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -36,7 +37,8 @@ class RopeScaling:
     Attributes:
         name: the ``rope_type`` string of model configs.
         compute: ``compute(rotary_dim, theta, params, *, max_position_embeddings, seq_len)`` returning
-            ``(inv_freq, attention_scaling)``, float64 ``[rotary_dim / 2]`` and a float.
+            ``(inv_freq, attention_scaling)``, float64 ``[rotary_dim / 2]`` on the CPU and a float
+            (checked at registration and at every call: :func:`check_computed`).
         required, optional: the keys of the ``rope_scaling`` dict it reads.
         paper: the reference that defines it.
         follow_length: for scalings whose frequencies depend on the current length, the rule that
@@ -66,6 +68,137 @@ ROPE_SCALINGS: dict[str, RopeScaling] = {}
 COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
 
 
+#: The probe of :func:`register_scaling`: a rotary dimension of 8 (so 4 frequencies), base 10000, and a
+#: model of 128 positions extended from 64.
+PROBE_ROTARY_DIM, PROBE_THETA, PROBE_MAX_POSITIONS, PROBE_ORIGINAL = 8, 10000.0, 128, 64
+
+#: What the probe dict holds for the keys of Hugging Face's ``rope_scaling`` dicts (others get 1.0).
+PROBE_VALUES: Mapping[str, Any] = MappingProxyType(
+    {
+        "factor": 2.0,
+        "original_max_position_embeddings": PROBE_ORIGINAL,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "beta_fast": 32.0,
+        "beta_slow": 1.0,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "attention_factor": 1.0,
+        "truncate": True,
+        "partial_rotary_factor": 1.0,
+        "short_factor": (1.0,) * (PROBE_ROTARY_DIM // 2),
+        "long_factor": (2.0,) * (PROBE_ROTARY_DIM // 2),
+    }
+)
+
+
+def key_names(keys: object, argument: str) -> frozenset[str]:
+    """A collection of key names (``required``, ``optional``, ``ignore_keys``) as a frozenset, read once.
+
+    A bare string is refused (:class:`TypeError`): iterating it would give its letters. A
+    generator is read once, so that checking it does not consume it.
+    """
+    if isinstance(keys, (str, bytes)):
+        raise TypeError(
+            f"{argument} must be a collection of key names (a set or list of str), not a bare "
+            f"{type(keys).__name__} {keys!r} (which would be read as its letters); write [{keys!r}]"
+        )
+    if not isinstance(keys, Iterable):
+        raise TypeError(f"{argument} must be a collection of key names (a set or list of str), got {keys!r}")
+    names = tuple(keys)
+    for key in names:
+        if not isinstance(key, str):
+            raise TypeError(f"{argument} must hold str key names, got {key!r} ({type(key).__name__})")
+    return frozenset(names)
+
+
+def check_computed(
+    rope_type: str, inv_freq: object, attention_scaling: object, rotary_dim: int
+) -> tuple[torch.Tensor, float]:
+    """What a scaling function returned, checked against its contract (see :class:`RopeScaling`).
+
+    ``inv_freq`` must be a float64 CPU tensor of ``rotary_dim // 2`` finite frequencies ``>= 0`` and
+    ``attention_scaling`` a finite float ``> 0``: anything else would rotate mismatched pairs, or
+    in the wrong precision, later. Raises :class:`TypeError` (wrong kind) or :class:`ValueError`.
+    """
+    pairs = rotary_dim // 2
+    where = f"the scaling function of rope_type={rope_type!r}"
+    wanted = f"a float64 tensor [rotary_dim // 2] = [{pairs}] for rotary_dim={rotary_dim}"
+    if not isinstance(inv_freq, torch.Tensor):
+        raise TypeError(f"{where} must return (inv_freq, attention_scaling) with inv_freq {wanted}, got {inv_freq!r}")
+    if inv_freq.dtype != torch.float64:
+        raise TypeError(f"{where} returned inv_freq of dtype {inv_freq.dtype}; expected {wanted}")
+    if inv_freq.device.type != "cpu":  # the tables are built from it on the host; and no device is waited for
+        raise ValueError(f"{where} returned inv_freq on {inv_freq.device}; expected {wanted} on the CPU")
+    if tuple(inv_freq.shape) != (pairs,):
+        raise ValueError(
+            f"{where} returned inv_freq of shape {list(inv_freq.shape)}; expected {wanted} (one frequency per pair)"
+        )
+    if isinstance(attention_scaling, bool) or not isinstance(attention_scaling, float):
+        raise TypeError(
+            f"{where} returned attention_scaling={attention_scaling!r} ({type(attention_scaling).__name__}); "
+            "expected a Python float (the factor on cos and sin)"
+        )
+    if not (torch.isfinite(inv_freq).all() and inv_freq.ge(0).all()) or not 0 < attention_scaling < math.inf:
+        raise ValueError(
+            f"rope_type={rope_type!r} gave non-finite or negative frequencies or attention scaling "
+            f"({attention_scaling}) for rotary_dim={rotary_dim}; check the scaling's values"
+        )
+    return inv_freq, attention_scaling
+
+
+def _probe(
+    name: str,
+    fn: ScalingFunction,
+    required: frozenset[str],
+    follow_length: LengthRule | None,
+    for_factor: Example | None,
+    probe: Mapping[str, Any] | None,
+) -> None:
+    """Call ``fn`` once (twice for a length-following one) as the library will, and check what it returns.
+
+    A probe dict made here is a guess at valid values: when ``fn`` raises on it, nothing is
+    concluded (every later call is checked by :func:`check_computed` all the same). A ``probe``
+    given by the caller must be accepted.
+    """
+    given = probe is not None
+    if probe is None and for_factor is not None:
+        probe = for_factor(PROBE_VALUES["factor"], PROBE_ORIGINAL)
+        if not isinstance(probe, Mapping):
+            raise TypeError(
+                f"for_factor must return a scaling dict, got {type(probe).__name__} from "
+                f"for_factor({PROBE_VALUES['factor']}, {PROBE_ORIGINAL})"
+            )
+    if probe is None:
+        probe = {key: PROBE_VALUES.get(key, 1.0) for key in sorted(required)}
+    params = {"rope_type": name, **{key: list(v) if isinstance(v, tuple) else v for key, v in probe.items()}}
+    lengths: tuple[int | None, ...] = (None,) if follow_length is None else (None, 2 * PROBE_MAX_POSITIONS)
+    for seq_len in lengths:
+        call = (
+            f"{getattr(fn, '__name__', 'the function')}({PROBE_ROTARY_DIM}, {PROBE_THETA}, {params}, "
+            f"max_position_embeddings={PROBE_MAX_POSITIONS}, seq_len={seq_len})"
+        )
+        try:
+            result = fn(
+                PROBE_ROTARY_DIM, PROBE_THETA, params, max_position_embeddings=PROBE_MAX_POSITIONS, seq_len=seq_len
+            )
+        except Exception as error:
+            if not given:
+                return  # the guessed values do not suit it (or its module is still being imported)
+            raise ValueError(
+                f"register_scaling({name!r}, probe=...): {call} raised {type(error).__name__}: {error}"
+            ) from error
+        if not isinstance(result, tuple) or len(result) != 2:
+            raise TypeError(
+                f"register_scaling({name!r}) refuses the scaling: {call} must return (inv_freq, attention_scaling), "
+                f"got {result!r}"
+            )
+        try:
+            check_computed(name, *result, PROBE_ROTARY_DIM)
+        except (TypeError, ValueError) as error:
+            raise type(error)(f"register_scaling({name!r}) refuses the scaling: probed with {call}, {error}") from None
+
+
 def register_scaling(
     name: str,
     *,
@@ -75,8 +208,27 @@ def register_scaling(
     follow_length: LengthRule | None = None,
     for_factor: Example | None = None,
     replace: bool = False,
+    probe: Mapping[str, Any] | None = None,
 ) -> Callable[[ScalingFunction], ScalingFunction]:
     """Decorator adding ``compute`` to :data:`~ropelib.scaling.registry.ROPE_SCALINGS` under ``name``.
+
+    The function is tried at registration (a *probe*): ``compute(8, 10000.0, params,
+    max_position_embeddings=128, seq_len=None)`` (and ``seq_len=256`` with ``follow_length``) must
+    return a float64 CPU tensor of ``8 // 2 = 4`` finite frequencies ``>= 0`` and a finite float
+    attention factor ``> 0``, or the registration is refused (:class:`TypeError` /
+    :class:`ValueError`); every later call is checked the same way (:func:`check_computed`).
+    ``params`` is ``probe`` when given (which must then be accepted), else ``for_factor(2.0, 64)``
+    when given, else a value for each required key (:data:`PROBE_VALUES`: Hugging Face's
+    meanings, e.g. ``factor=2.0``; 1.0 for other keys). When the function raises on a dict made
+    here the probe proves nothing and is skipped (the values may not suit it, or its module is
+    still being imported): pass ``probe=`` to have it run.
+
+    Args:
+        name: the ``rope_type``.
+        required, optional: collections of key names (a set or list, not a bare string).
+        paper, follow_length, for_factor: see :class:`RopeScaling`.
+        replace: allow replacing an entry of the same name.
+        probe: the scaling dict to probe with (for required keys :data:`PROBE_VALUES` cannot fill).
 
     Example:
         >>> @register_scaling(
@@ -93,16 +245,18 @@ def register_scaling(
         raise TypeError(f"name must be a non-empty str, got {name!r}")
     if not replace and name in ROPE_SCALINGS:
         raise ValueError(f"rope_type {name!r} is registered already; pass replace=True to override it")
+    required_keys, optional_keys = key_names(required, "required"), key_names(optional, "optional")
     for key, value in (("follow_length", follow_length), ("for_factor", for_factor)):
         if value is not None and not callable(value):
             raise TypeError(f"{key} must be callable or None, got {type(value).__name__}")
+    if probe is not None and not isinstance(probe, Mapping):
+        raise TypeError(f"probe must be a scaling dict or None, got {type(probe).__name__}")
 
     def add(fn: ScalingFunction) -> ScalingFunction:
         if not callable(fn):
             raise TypeError(f"a scaling must be callable, got {type(fn).__name__}")
-        ROPE_SCALINGS[name] = RopeScaling(
-            name, fn, frozenset(required), frozenset(optional), paper, follow_length, for_factor
-        )
+        _probe(name, fn, required_keys, follow_length, for_factor, probe)
+        ROPE_SCALINGS[name] = RopeScaling(name, fn, required_keys, optional_keys, paper, follow_length, for_factor)
         return fn
 
     return add

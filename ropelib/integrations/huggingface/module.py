@@ -3,7 +3,7 @@ r"""The drop-in for a ``transformers`` ``*RotaryEmbedding`` module, computed by 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,6 +15,7 @@ from ...config import rope_config
 from ...kernels.registry import KERNEL_CHOICES
 from ...rotary import MRotaryEmbedding, RotaryEmbedding
 from ...scaling import rope_type_of
+from ...scaling.registry import key_names
 
 #: The forms of tables a ``transformers`` rotary module returns (see :class:`HFRotaryEmbedding`).
 OUTPUTS = ("cat", "repeat", "sin_cos", "complex")
@@ -105,6 +106,9 @@ class HFRotaryEmbedding(nn.Module):
             for a single setting); by default ``{None: rope_config(config)}``.
         mrope_section: ``(s_t, s_h, s_w)`` for M-RoPE, or None.
         mrope_interleaved: Qwen3-VL's interleaved assignment of pairs to axes.
+        ignore_keys: model-specific keys of the config's rope parameters to let through unread
+            (as ``transformers``' ``ignore_keys_at_rope_validation``), passed to
+            :func:`ropelib.rope_config`; only with the ``config`` read here (not with ``rope_options``).
 
     Shapes:
         ``x``: any tensor (only its dtype and device are read); ``position_ids``: integers of
@@ -133,14 +137,21 @@ class HFRotaryEmbedding(nn.Module):
         rope_options: Mapping[str | None, Mapping[str, Any]] | None = None,
         mrope_section: Sequence[int] | None = None,
         mrope_interleaved: bool = False,
+        ignore_keys: Iterable[str] = (),
     ) -> None:
         super().__init__()
         self.kernel = check_choice(kernel, "kernel", KERNEL_CHOICES)
         self.output = check_choice(output, "output", OUTPUTS)
         check_bool(mrope_interleaved, "mrope_interleaved")
+        ignored = key_names(ignore_keys, "ignore_keys")
         self.config = config
         if rope_options is None:
-            rope_options = {None: rope_config(config_dict(config))}
+            rope_options = {None: rope_config(config_dict(config), ignore_keys=ignored)}
+        elif ignored:
+            raise ValueError(
+                "ignore_keys is for the config read here (rope_config(config, ignore_keys=...)); with rope_options, "
+                "leave the keys out of the options' scaling dicts instead"
+            )
         if not isinstance(rope_options, Mapping) or not rope_options:
             raise TypeError("rope_options must be a non-empty dict of RotaryEmbedding arguments by layer type")
         if mrope_section is not None and set(rope_options) != {None}:
