@@ -22,7 +22,7 @@ def _config_value(config: Mapping[str, Any], params: Mapping[str, Any], key: str
 
 
 def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -> dict[str, Any]:
-    """The :class:`~ropelib.rotary.RotaryEmbedding` arguments of a model's ``config.json`` dict.
+    """The :class:`~ropelib.RotaryEmbedding` arguments of a model's ``config.json`` dict.
 
     Reads the keys Hugging Face configs use: ``head_dim`` (else ``hidden_size //
     num_attention_heads``), ``rope_theta`` (default 10000), ``partial_rotary_factor`` (default 1),

@@ -35,7 +35,7 @@ import torch
 
 from ._validation import check_int, values_readable
 
-#: The most tokens a packed row can have: its int64 positions, ``8 T`` bytes, must be a tensor
+#: The largest number of tokens in a packed row. Its int64 positions, ``8 T`` bytes, must be a tensor
 #: PyTorch can size (``2^63 - 1`` bytes at most), so ``T <= 2^60 - 1``.
 MAX_TOKENS = (2**63 - 1) // 8
 
@@ -108,7 +108,7 @@ def packed_positions(cu_seqlens: torch.Tensor, total_tokens: int | None = None) 
             non-decreasing (flash-attn's ``cu_seqlens``, TransformerEngine's ``thd`` format). Empty
             documents (repeated entries) are allowed.
         total_tokens: ``cu_seqlens[-1]``, the number of tokens ``T``, if known (at most
-            :data:`MAX_TOKENS`, as ``cu_seqlens[-1]`` must be).
+            :data:`~ropelib.packing.MAX_TOKENS`, as ``cu_seqlens[-1]`` must be).
 
     Returns:
         int64 tensor ``[T]`` on ``cu_seqlens``'s device.

@@ -59,7 +59,9 @@ class MultiHeadAttention(nn.Module):
 
     Example:
         >>> rope = RotaryEmbedding(16)
-        >>> layers = [MultiHeadAttention(64, 4, "rope", rotary=rope) for _ in range(2)]
+        >>> layers = [
+        ...     MultiHeadAttention(64, 4, "rope", rotary=rope) for _ in range(2)
+        ... ]
         >>> x = torch.randn(1, 5, 64)
         >>> rotation = rope.rotation(x)  # once per forward pass, for every layer
         >>> y = layers[1](layers[0](x, rotation=rotation), rotation=rotation)

@@ -148,7 +148,7 @@ def environment(device: torch.device) -> dict[str, Any]:
 
 def format_table(results: Sequence[Result]) -> str:
     """A plain-text table, one block per configuration with its two roofs first, at most 76 characters wide."""
-    lines = ["% roof: of x.mul_(c) for in-place rows, of torch.mul(x, c) for the others (same rounds)"]
+    lines = ["% roof: of x.mul_(c) in place, of torch.mul(x, c) out of place"]
     header = f"{'implementation':<25}{'ms':>9}{'GB/s':>8}{'% roof':>8}{'x ropelib':>10}{'ok':>4}"
     last = None
     for r in results:

@@ -46,7 +46,7 @@ def _check_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
 
 @dataclass(frozen=True)
 class ScoreModSizes:
-    """What a ``score_mod`` of this module was built for, kept on it (attribute :data:`SIZES`).
+    """What a ``score_mod`` of this module was built for, kept on it (attribute :data:`~ropelib.encodings.flex.SIZES`).
 
     Its tables are indexed inside ``flex_attention``'s kernel, where an index past them cannot
     raise a readable error (eager: a bare :class:`IndexError`; compiled: an out-of-bounds read or
@@ -66,12 +66,12 @@ class ScoreModSizes:
     device: torch.device
 
 
-#: The attribute of a ``score_mod`` made here that holds its :class:`ScoreModSizes`.
+#: The attribute of a ``score_mod`` made here that holds its :class:`~ropelib.encodings.flex.ScoreModSizes`.
 SIZES = "_ropelib_sizes"
 
 
 def score_mod_sizes(score_mod: object) -> ScoreModSizes | None:
-    """The :class:`ScoreModSizes` of a ``score_mod`` from :func:`alibi_score_mod` / :func:`t5_score_mod`, else None."""
+    """The :class:`~ropelib.encodings.flex.ScoreModSizes` of a ``score_mod`` from :func:`alibi_score_mod` / :func:`t5_score_mod`, else None."""
     sizes = getattr(score_mod, SIZES, None)
     return sizes if isinstance(sizes, ScoreModSizes) else None
 
@@ -181,7 +181,7 @@ def flex_bias_attention(
     Args:
         q, k, v: ``[batch, heads, seq, d]``.
         score_mod: from :func:`alibi_score_mod` or :func:`t5_score_mod` (checked against ``q``'s heads,
-            length and device: see :class:`ScoreModSizes`), or any ``flex_attention`` score_mod.
+            length and device: see :class:`~ropelib.encodings.flex.ScoreModSizes`), or any ``flex_attention`` score_mod.
         compiled: go through one shared ``torch.compile(flex_attention)`` (the fused kernel; the
             first call per ``score_mod`` compiles, seconds on a CPU). ``False`` runs PyTorch's
             unfused reference, with its warning about that silenced.

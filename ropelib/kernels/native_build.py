@@ -1,7 +1,7 @@
 r"""The native kernel's library: its binary interface, and its build, cached on disk as Triton and Inductor cache theirs.
 
 ``rotate.c`` (next to this module) is compiled by the system's C compiler (``$CC``, else ``cc``,
-``gcc`` or ``clang``) into a shared library and loaded with :mod:`ctypes`:
+``gcc`` or ``clang``) into a shared library and loaded with ``ctypes``:
 
 * **Cached.** The library lives in :func:`cache_dir` (``$ROPELIB_CACHE_DIR``, else
   ``$XDG_CACHE_HOME/ropelib`` or ``~/.cache/ropelib``) under a key hashing the source, the flags,
@@ -10,7 +10,7 @@ r"""The native kernel's library: its binary interface, and its build, cached on 
 * **Built once.** Concurrent processes take a file lock, and the first writes the library to a
   temporary name and renames it into place (atomic), so the others load the finished file.
   Threads of one process share one build; a process forked during a build, whose build thread
-  does not exist in the child, starts afresh (:func:`os.register_at_fork`).
+  does not exist in the child, starts afresh (``os.register_at_fork``).
 * **Loud.** A failed build is logged once, with the compiler's output, on the ``"ropelib"``
   logger; ``kernel="auto"`` then uses the PyTorch kernel, and ``kernel="native"`` raises with
   that output.
@@ -52,7 +52,7 @@ CACHE_ENV = "ROPELIB_CACHE_DIR"
 SOURCES = (Path(__file__).with_name("rotate.c"), Path(__file__).with_name("rotate_loop.h"))
 #: The version of ``struct call`` in ``rotate.c``; the loaded library must report the same.
 ABI = 3
-#: The compiler flags to try, in order: OpenMP and this processor's vector width, then without
+#: Compiler flags, tried in order. First OpenMP and this processor's vector width, then without
 #: OpenMP (Apple's clang has none: one thread), then portable code. Every set keeps IEEE rounding.
 FLAGS = (
     ("-O3", "-march=native", "-fopenmp"),
@@ -304,7 +304,8 @@ def build() -> Library:
 
     Example:
         >>> from ropelib.kernels import native_build
-        >>> native_build.build().functions.keys() == native_build.ENTRY_POINTS.keys()  # where cc builds it
+        >>> library = native_build.build()  # where a C compiler builds it
+        >>> library.functions.keys() == native_build.ENTRY_POINTS.keys()
         True
     """
     from .native_kernel import BUILD  # the process's build lives beside the code that verifies it

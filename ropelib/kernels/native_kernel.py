@@ -10,9 +10,9 @@ to nearest even), float32 and float64. It computes exactly the expression of the
 
 The library is built and cached by :mod:`~ropelib.kernels.native_build`. A call is split by
 tokens between :func:`torch.get_num_threads` threads of torch's own OpenMP runtime when it is
-large (:data:`PARALLEL_ELEMENTS`); a decoding step runs in the caller's thread. Out of place
+large (:data:`~ropelib.kernels.native_kernel.PARALLEL_ELEMENTS`); a decoding step runs in the caller's thread. Out of place
 into fresh memory the loop touches the pages of a run of tokens before writing them
-(:data:`TOUCH_BYTES`), so that their page faults come together.
+(:data:`~ropelib.kernels.native_kernel.TOUCH_BYTES`), so that their page faults come together.
 
 This module's :func:`launch` is the only code that hands tensors' memory to C, and it runs only
 inside the ``ropelib::rotary`` and ``ropelib::rotary_`` operators' CPU kernel.
@@ -35,7 +35,7 @@ DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def supports(x: torch.Tensor) -> bool:
-    """True when the loop can rotate ``x``: on the CPU, one of :data:`DTYPES`."""
+    """True when the loop can rotate ``x``: on the CPU, one of :data:`~ropelib.kernels.native_kernel.DTYPES`."""
     return x.device.type == "cpu" and x.dtype in DTYPES
 
 

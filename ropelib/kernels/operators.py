@@ -3,8 +3,9 @@ r"""ropelib's operators: the rotation as PyTorch sees it, with the rules autogra
 Two operators, defined with :class:`torch.library.Library` (a low-level definition: one dispatcher
 hop, no Python wrapper)::
 
-    ropelib::rotary (Tensor q, Tensor k, Tensor cos, Tensor sin, Tensor positions,
-                     Tensor? frequencies, Tensor? cu_seqlens, bool interleaved,
+    ropelib::rotary (Tensor q, Tensor k, Tensor cos, Tensor sin,
+                     Tensor positions, Tensor? frequencies,
+                     Tensor? cu_seqlens, bool interleaved,
                      bool conjugate, str kernel) -> (Tensor, Tensor)
     ropelib::rotary_(Tensor(a!) q, Tensor(b!) k, ...the same...) -> ()
 
@@ -15,7 +16,7 @@ hop, no Python wrapper)::
 (float64 ``[r/2 + 1]``: the inverse frequencies, then the factor on cos and sin) lets positions
 outside ``[0, L)`` have their rows computed; ``cu_seqlens`` replaces ``positions`` by the positions
 within each packed document; ``kernel`` is ``"auto"`` or a name of
-:data:`~ropelib.kernels.registry.KERNELS`. The callers are :func:`ropelib.rotary_qk` and the
+:data:`~ropelib.KERNELS`. The callers are :func:`ropelib.rotary_qk` and the
 modules, which check their arguments first; the operators do not check again.
 
 What is registered, beside the kernel (every backend; the chosen kernel touches the memory):

@@ -1,6 +1,6 @@
 r"""The kernels behind ropelib's operators, and which one a call gets.
 
-:data:`KERNELS` maps each kernel's name to a :class:`Kernel`:
+:data:`~ropelib.KERNELS` maps each kernel's name to a :class:`Kernel`:
 
 * ``"torch"``: :mod:`~ropelib.kernels.torch_kernel`, PyTorch operations only, any device;
 * ``"native"``: :mod:`~ropelib.kernels.native_kernel`, one compiled C loop on the CPU (float16,
@@ -8,7 +8,7 @@ r"""The kernels behind ropelib's operators, and which one a call gets.
 * ``"triton"``: :mod:`~ropelib.kernels.triton_kernel`, one fused launch for q and k (imported on
   first use; on a machine without CUDA it runs in Triton's interpreter, for tests).
 
-``kernel="auto"`` (:func:`choose_kernel`) is Triton on CUDA, the native kernel on the CPU when it
+``kernel="auto"`` (:func:`~ropelib.choose_kernel`) is Triton on CUDA, the native kernel on the CPU when it
 builds, and the PyTorch kernel otherwise; a name forces that kernel. :func:`run` is the body of
 the operators' kernel: it resolves the choice, turns packed-row lengths and positions beyond the
 table into what the chosen kernel reads, and launches it.
@@ -85,12 +85,12 @@ KERNELS: MappingProxyType[str, Kernel] = MappingProxyType(
         "triton": Kernel("triton", _launch_triton, True, lambda device, dtype: device.type in ("cuda", "cpu")),
     }
 )
-#: What a caller may ask for: ``"auto"`` or one of :data:`KERNELS`.
+#: What a caller may ask for: ``"auto"`` or one of :data:`~ropelib.KERNELS`.
 KERNEL_CHOICES = ("auto", *KERNELS)
 
 
 def resolve(kernel: str, device: torch.device, dtype: torch.dtype) -> str:
-    """:func:`choose_kernel` for a validated choice, unchecked; raises :class:`RuntimeError` for an unusable forced kernel."""
+    """:func:`~ropelib.choose_kernel` for a validated choice, unchecked; raises :class:`RuntimeError` for an unusable forced kernel."""
     if kernel == "auto":
         if device.type == "cpu":
             return "native" if dtype in native_kernel.DTYPES and BUILD.available() else "torch"

@@ -13,10 +13,10 @@ so the two give the same bits. The operations, per block of tokens:
 * ``tmp = b * s``, ``buf_a -= tmp``; ``tmp = a * s``, ``buf_b += tmp``;
 * the buffer copied to its place (rounded there to float16/bfloat16).
 
-Blocks are :data:`BLOCK_BYTES` of q and k (:data:`GPU_BLOCK_BYTES` off the CPU), so that the
+Blocks are :data:`~ropelib.kernels.torch_kernel.BLOCK_BYTES` of q and k (:data:`~ropelib.kernels.torch_kernel.GPU_BLOCK_BYTES` off the CPU), so that the
 passes after the first find the block in the cache and memory sees about one read of ``x`` and
 one write of the output. In place the buffer is needed because the halves of a pair read each
-other. A decoding step (:data:`FEW_ELEMENTS`) takes the list operations of :func:`rotate_few`,
+other. A decoding step (:data:`~ropelib.kernels.torch_kernel.FEW_ELEMENTS`) takes the list operations of :func:`rotate_few`,
 because there the cost of a call is its number of operations.
 """
 

@@ -247,11 +247,14 @@ class TinyTransformer(nn.Module):
             )
         relative = encoding in ("t5", "alibi", "rope")
         in_attention = encoding if relative else "none"
-        # one rotary module for the model: one table cache, one rotation per forward for every layer
-        self.rope = RotaryEmbedding(config.embed_dim // config.num_heads, config.theta) if encoding == "rope" else None
-        self.blocks = nn.ModuleList(
-            [Block(config, in_attention, self.rope) for _ in range(config.num_layers)],
-        )
+        # one rotary module for the model: one cache, one rotation a forward
+        head_dim = config.embed_dim // config.num_heads
+        self.rope = None
+        if encoding == "rope":
+            self.rope = RotaryEmbedding(head_dim, config.theta)
+        layers = range(config.num_layers)
+        blocks = [Block(config, in_attention, self.rope) for _ in layers]
+        self.blocks = nn.ModuleList(blocks)
         self.norm = nn.LayerNorm(config.embed_dim)
         self.head = nn.Linear(config.embed_dim, config.vocab_size)
 

@@ -1,9 +1,9 @@
 """Rotary position embeddings: RoPE and its variants, one module each, over one spec, one cache and one operator.
 
-* :mod:`~ropelib.rotary.spec`: :class:`RopeSpec`, the frequencies as one immutable value;
-* :mod:`~ropelib.rotary.cache`: :class:`TableCache`, the cos/sin rows of a spec per device and dtype;
-* :mod:`~ropelib.rotary.standard`: :class:`RotaryEmbedding` (RoPE);
-* :mod:`~ropelib.rotary.rotation`: :class:`Rotation`, one forward pass's tables for every layer;
+* :mod:`~ropelib.rotary.spec`: :class:`~ropelib.RopeSpec`, the frequencies as one immutable value;
+* :mod:`~ropelib.rotary.cache`: :class:`~ropelib.TableCache`, the cos/sin rows of a spec per device and dtype;
+* :mod:`~ropelib.rotary.standard`: :class:`~ropelib.RotaryEmbedding` (RoPE);
+* :mod:`~ropelib.rotary.rotation`: :class:`~ropelib.Rotation`, one forward pass's tables for every layer;
 * the variants, each stating only what differs: :mod:`~ropelib.rotary.mrope` (M-RoPE, three
   position axes), :mod:`~ropelib.rotary.xpos` (xPos, a decay) and :mod:`~ropelib.rotary.axial`
   (2-D axial RoPE for image patches).

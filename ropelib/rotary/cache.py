@@ -3,8 +3,8 @@ r"""The cos/sin rows of one :class:`~ropelib.rotary.spec.RopeSpec`, per device a
 Row ``p`` of the tables holds ``a cos(p f_i)`` and ``a sin(p f_i)`` for the pairs ``i`` (``a`` the
 scaling's attention factor), the angle formed in float64 and rounded once. The cache holds the rows
 of positions ``0 .. L-1`` and grows when asked for more (doubling, in blocks of
-:data:`TABLE_BLOCK`), up to :attr:`TableCache.limit` rows: rows of positions past it are computed
-for the positions that need them, by the kernels, from :attr:`Tables.frequencies`. It never
+:data:`~ropelib.rotary.cache.TABLE_BLOCK`), up to ``limit`` rows: rows of positions past it are computed
+for the positions that need them, by the kernels, from ``frequencies``. It never
 shrinks, and it changes by swapping one immutable state at once, so threads that share it read
 whole tables. For the scalings whose frequencies follow the current length (dynamic NTK,
 LongRoPE) the cache follows it too, by transformers' rule (``dynamic_rope_update``).
@@ -71,14 +71,17 @@ class TableCache:
 
     Args:
         spec: the frequencies.
-        limit: the most positions tabled (default: :data:`CACHE_POSITIONS` or the spec's
+        limit: the most positions tabled (default: :data:`~ropelib.rotary.cache.CACHE_POSITIONS` or the spec's
             ``max_position_embeddings``, whichever is larger).
 
     Example:
         >>> cache = TableCache(RopeSpec.create(8))
-        >>> tables = cache.tables(torch.device("cpu"), torch.float32, 10)
-        >>> tables.length, tables.cos.shape[1], cache.tables(torch.device("cpu"), torch.float32, 5) is tables
-        (1024, 4, True)
+        >>> cpu = torch.device("cpu")
+        >>> tables = cache.tables(cpu, torch.float32, 10)
+        >>> tables.length, tables.cos.shape[1]  # a block of rows, 4 pairs
+        (1024, 4)
+        >>> cache.tables(cpu, torch.float32, 5) is tables  # no growth
+        True
     """
 
     def __init__(self, spec: RopeSpec, *, limit: int | None = None) -> None:
@@ -121,7 +124,7 @@ class TableCache:
         """The tables on ``device`` in ``dtype`` (float32 or float64), with at least ``min(length, limit)`` rows.
 
         ``length=None``, or a length past the limit (whose far rows are computed, not tabled):
-        whatever the device has (or :data:`INITIAL_POSITIONS` rows at first). Under
+        whatever the device has (or :data:`~ropelib.rotary.cache.INITIAL_POSITIONS` rows at first). Under
         :func:`torch.compile` nothing grows (a table made there is not kept).
         """
         if dtype not in TABLE_DTYPES:

@@ -46,8 +46,10 @@ class RopeSpec:
 
     Example:
         >>> spec = RopeSpec.create(8, theta=100.0)
-        >>> spec.frequencies()[0].tolist(), spec == RopeSpec.create(8, theta=100.0)
-        ([1.0, 0.31622776601683794, 0.1, 0.03162277660168379], True)
+        >>> spec.frequencies()[0].tolist()
+        [1.0, 0.31622776601683794, 0.1, 0.03162277660168379]
+        >>> spec == RopeSpec.create(8, theta=100.0)  # a value: equal, hashable
+        True
     """
 
     rotary_dim: int

@@ -279,7 +279,7 @@ class RotaryEmbedding(nn.Module):
         seqlen_offsets: int | torch.Tensor = 0,
     ) -> Rotation:
         """The checked :class:`Rotation` for queries like ``q`` (``[batch, seq, heads, head_dim]``: its batch,
-        length, dtype and device) at ``positions``; arguments as :meth:`forward`'s."""
+        length, dtype and device) at ``positions``; arguments as those of ``forward``."""
         check_float_tensor(q, "q")
         if q.ndim < 2:
             raise ValueError(f"q must be [batch, seq, ...] (queries, or the layer's input), got shape {tuple(q.shape)}")

@@ -1,6 +1,6 @@
 r"""The public registry of RoPE scalings, keyed by ``rope_type``, and the readers every entry shares.
 
-Each entry is a :class:`RopeScaling`: the function that computes ``(inv_freq64, attention_scaling)``,
+Each entry is a :class:`~ropelib.scaling.registry.RopeScaling`: the function that computes ``(inv_freq64, attention_scaling)``,
 the config keys it reads (required and optional), the paper it implements, and whether its
 frequencies follow the current sequence length (``dynamic``, ``longrope``). One module per
 ``rope_type`` in :mod:`ropelib.scaling` registers its entry with :func:`~ropelib.register_scaling`; users
@@ -38,7 +38,7 @@ class RopeScaling:
         name: the ``rope_type`` string of model configs.
         compute: ``compute(rotary_dim, theta, params, *, max_position_embeddings, seq_len)`` returning
             ``(inv_freq, attention_scaling)``, float64 ``[rotary_dim / 2]`` on the CPU and a float
-            (checked at registration and at every call: :func:`check_computed`).
+            (checked at registration and at every call: :func:`~ropelib.scaling.registry.check_computed`).
         required, optional: the keys of the ``rope_scaling`` dict it reads.
         paper: the reference that defines it.
         follow_length: for scalings whose frequencies depend on the current length, the rule that
@@ -62,7 +62,7 @@ class RopeScaling:
 
 
 ROPE_SCALINGS: dict[str, RopeScaling] = {}
-"""The registry, ``rope_type`` -> :class:`RopeScaling`. Add entries with :func:`~ropelib.register_scaling`."""
+"""The registry, ``rope_type`` -> :class:`~ropelib.scaling.registry.RopeScaling`. Add entries with :func:`~ropelib.register_scaling`."""
 
 #: Keys every dict may carry: the type itself and the base (checked against the ``theta`` argument).
 COMMON_KEYS = frozenset({"rope_type", "type", "rope_theta"})
@@ -115,7 +115,7 @@ def key_names(keys: object, argument: str) -> frozenset[str]:
 def check_computed(
     rope_type: str, inv_freq: object, attention_scaling: object, rotary_dim: int
 ) -> tuple[torch.Tensor, float]:
-    """What a scaling function returned, checked against its contract (see :class:`RopeScaling`).
+    """What a scaling function returned, checked against its contract (see :class:`~ropelib.scaling.registry.RopeScaling`).
 
     ``inv_freq`` must be a float64 CPU tensor of ``rotary_dim // 2`` finite frequencies ``>= 0`` and
     ``attention_scaling`` a finite float ``> 0``: anything else would rotate mismatched pairs, or
@@ -158,7 +158,7 @@ def _probe(
     """Call ``fn`` once (twice for a length-following one) as the library will, and check what it returns.
 
     A probe dict made here is a guess at valid values: when ``fn`` raises on it, nothing is
-    concluded (every later call is checked by :func:`check_computed` all the same). A ``probe``
+    concluded (every later call is checked by :func:`~ropelib.scaling.registry.check_computed` all the same). A ``probe``
     given by the caller must be accepted.
     """
     given = probe is not None
@@ -216,9 +216,9 @@ def register_scaling(
     max_position_embeddings=128, seq_len=None)`` (and ``seq_len=256`` with ``follow_length``) must
     return a float64 CPU tensor of ``8 // 2 = 4`` finite frequencies ``>= 0`` and a finite float
     attention factor ``> 0``, or the registration is refused (:class:`TypeError` /
-    :class:`ValueError`); every later call is checked the same way (:func:`check_computed`).
+    :class:`ValueError`); every later call is checked the same way (:func:`~ropelib.scaling.registry.check_computed`).
     ``params`` is ``probe`` when given (which must then be accepted), else ``for_factor(2.0, 64)``
-    when given, else a value for each required key (:data:`PROBE_VALUES`: Hugging Face's
+    when given, else a value for each required key (:data:`~ropelib.scaling.registry.PROBE_VALUES`: Hugging Face's
     meanings, e.g. ``factor=2.0``; 1.0 for other keys). When the function raises on a dict made
     here the probe proves nothing and is skipped (the values may not suit it, or its module is
     still being imported): pass ``probe=`` to have it run.
@@ -226,9 +226,9 @@ def register_scaling(
     Args:
         name: the ``rope_type``.
         required, optional: collections of key names (a set or list, not a bare string).
-        paper, follow_length, for_factor: see :class:`RopeScaling`.
+        paper, follow_length, for_factor: see :class:`~ropelib.scaling.registry.RopeScaling`.
         replace: allow replacing an entry of the same name.
-        probe: the scaling dict to probe with (for required keys :data:`PROBE_VALUES` cannot fill).
+        probe: the scaling dict to probe with (for required keys :data:`~ropelib.scaling.registry.PROBE_VALUES` cannot fill).
 
     Example:
         >>> @register_scaling(

@@ -150,7 +150,7 @@ class RopelibApply:
         self.original = original
         self.signature = SIGNATURES[signature]
         self.interleaved = layout == "interleaved"
-        #: the patched modules that rely on this stand-in; unpatching the last one restores the original
+        # the patched modules that rely on this stand-in; unpatching the last one restores the original
         self.users: weakref.WeakSet[HFRotaryEmbedding] = weakref.WeakSet()
         functools.update_wrapper(self, original)
 

@@ -27,7 +27,7 @@ TAG = "_ropelib_tables"
 class ReturnedTables:
     """What stands behind tables an :class:`HFRotaryEmbedding` returned: ropelib's float ``[.., seq, r/2]`` rows.
 
-    Kept on the first returned tensor (attribute :data:`TAG`), with the second one (held weakly)
+    Kept on the first returned tensor (attribute :data:`~ropelib.integrations.huggingface.module.TAG`), with the second one (held weakly)
     and the version counters of both at return, so that the patched apply function recognises
     exactly these tensors, unchanged. Inference tensors have no version counter: for them only
     the identity is checked.
@@ -87,7 +87,7 @@ class HFRotaryEmbedding(nn.Module):
     With several RoPE settings (Gemma 3's per-layer-type ``rope_parameters``) the module holds one
     :class:`ropelib.RotaryEmbedding` per layer type and is called as ``forward(x, position_ids,
     layer_type)``. With ``mrope_section`` (Qwen2-VL) ``position_ids`` are ``[3, batch, seq]`` and
-    pair ``i`` takes the position of its axis (:mod:`ropelib.mrope`).
+    pair ``i`` takes the position of its axis (:mod:`ropelib.rotary.mrope`).
 
     The tables come from :class:`ropelib.RotaryEmbedding`: angles formed in float64 and rounded
     once (where ``transformers`` forms them in float32), the scalings of
@@ -234,11 +234,14 @@ class HFRotaryEmbedding(nn.Module):
             if positions.ndim == 1:
                 cos_half, sin_half = cos_half[None], sin_half[None]
         out = self._format(cos_half, sin_half, x.dtype)
-        if not torch.compiler.is_compiling():  # compiled graphs call the original apply: no tag needed
+        # compiled graphs call the original apply: no tag
+        if not torch.compiler.is_compiling():
             first, second = out if isinstance(out, tuple) else (out, None)
+            both = (first,) if second is None else (first, second)
             partner = None if second is None else weakref.ref(second)
-            versions = _versions(first) if second is None else _versions(first, second)
-            setattr(first, TAG, ReturnedTables(cos_half, sin_half, self.kernel, partner, versions))
+            versions = _versions(*both)
+            kept = (cos_half, sin_half, self.kernel, partner, versions)
+            setattr(first, TAG, ReturnedTables(*kept))
         return out
 
     def _check_layer_type(self, layer_type: object) -> None:
