@@ -161,6 +161,16 @@ def check_packed(positions: object, seqlen_offsets: object) -> None:
         raise ValueError("give seqlen_offsets or cu_seqlens, not both: cu_seqlens defines the positions")
 
 
+def check_packed_row(q: torch.Tensor, cu_seqlens: object) -> torch.Tensor:
+    """``cu_seqlens`` checked against ``q``, one packed row ``[1, tokens, heads, d]`` on its device."""
+    if q.shape[0] != 1:
+        raise ValueError(f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}")
+    checked = check_cu_seqlens(cu_seqlens, q.shape[1])
+    if checked.device != q.device:
+        raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {checked.device}")
+    return checked
+
+
 def _packed(q: Any, k: Any, positions: object, seqlen_offsets: object) -> tuple[Any, Any, bool]:
     """A packed row's ``q``/``k`` as ``[1, tokens, heads, d]`` (flash-attn's ``[tokens, heads, d]`` too)."""
     check_packed(positions, seqlen_offsets)
@@ -244,13 +254,7 @@ def rotary_qk(
     batch, seq = q.shape[:2]
     length = cos.shape[0]
     if cu_seqlens is not None:
-        if batch != 1:
-            raise ValueError(
-                f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}"
-            )
-        cu_seqlens = check_cu_seqlens(cu_seqlens, seq)
-        if cu_seqlens.device != q.device:
-            raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+        cu_seqlens = check_packed_row(q, cu_seqlens)
         if length < seq:  # a document longer than the table would read past it
             lengths = cu_seqlens[1:] - cu_seqlens[:-1]
             rows = f"at most the table's {length} rows"

@@ -78,47 +78,35 @@ def _unit_stride(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _rotary_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: Any) -> Any:
-    positions, frequencies, cu_seqlens, interleaved, conjugate, kernel = rest
-    if q.stride(-1) != 1:  # the kernels read features at unit stride
-        q = q.contiguous()
-    if k.stride(-1) != 1:
-        k = k.contiguous()
-    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+def _run_into(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor, *args: Any) -> None:
+    """Both kernels' call of :func:`~ropelib.kernels.registry.run`; ``args`` are the operators' after ``k``."""
+    cos, sin, positions, frequencies, cu_seqlens, interleaved, conjugate, kernel = args
+    tables = cos.contiguous(), sin.contiguous()
     run(
         kernel,
         q,
         k,
         q_out,
         k_out,
-        cos.contiguous(),
-        sin.contiguous(),
+        *tables,
         positions,
         frequencies,
         cu_seqlens,
         interleaved=interleaved,
         conjugate=conjugate,
     )
+
+
+def _rotary_kernel(q: torch.Tensor, k: torch.Tensor, *args: Any) -> Any:
+    q, k = _unit_stride(q), _unit_stride(k)  # the kernels read features at unit stride
+    q_out, k_out = torch.empty_like(q), torch.empty_like(k)
+    _run_into(q, k, q_out, k_out, *args)
     return q_out, k_out
 
 
-def _rotary_inplace_kernel(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *rest: Any) -> None:
-    positions, frequencies, cu_seqlens, interleaved, conjugate, kernel = rest
+def _rotary_inplace_kernel(q: torch.Tensor, k: torch.Tensor, *args: Any) -> None:
     q_unit, k_unit = _unit_stride(q), _unit_stride(k)  # a feature stride other than 1: through a copy
-    run(
-        kernel,
-        q_unit,
-        k_unit,
-        q_unit,
-        k_unit,
-        cos.contiguous(),
-        sin.contiguous(),
-        positions,
-        frequencies,
-        cu_seqlens,
-        interleaved=interleaved,
-        conjugate=conjugate,
-    )
+    _run_into(q_unit, k_unit, q_unit, k_unit, *args)
     for x, unit in ((q, q_unit), (k, k_unit)):
         if unit is not x:
             x.copy_(unit)

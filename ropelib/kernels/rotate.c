@@ -133,14 +133,7 @@ static inline uint16_t f16_store(float f) {
 #define STORE(v) (v)
 #define VECTOR ROPELIB_VECTORS
 #define NAME(x) x##_f32
-#include "rotate_loop.h"
-#undef S
-#undef C
-#undef INDEX
-#undef LOAD
-#undef STORE
-#undef VECTOR
-#undef NAME
+#include "rotate_loop.h" /* which undefines them */
 
 #define S double
 #define C double
@@ -149,14 +142,7 @@ static inline uint16_t f16_store(float f) {
 #define STORE(v) (v)
 #define VECTOR ROPELIB_VECTORS
 #define NAME(x) x##_f64
-#include "rotate_loop.h"
-#undef S
-#undef C
-#undef INDEX
-#undef LOAD
-#undef STORE
-#undef VECTOR
-#undef NAME
+#include "rotate_loop.h" /* which undefines them */
 
 #define S uint16_t
 #define C float
@@ -165,14 +151,7 @@ static inline uint16_t f16_store(float f) {
 #define STORE(v) bf16_store(v)
 #define VECTOR 0
 #define NAME(x) x##_bf16
-#include "rotate_loop.h"
-#undef S
-#undef C
-#undef INDEX
-#undef LOAD
-#undef STORE
-#undef VECTOR
-#undef NAME
+#include "rotate_loop.h" /* which undefines them */
 
 #define S uint16_t
 #define C float
@@ -181,11 +160,4 @@ static inline uint16_t f16_store(float f) {
 #define STORE(v) f16_store(v)
 #define VECTOR 0
 #define NAME(x) x##_f16
-#include "rotate_loop.h"
-#undef S
-#undef C
-#undef INDEX
-#undef LOAD
-#undef STORE
-#undef VECTOR
-#undef NAME
+#include "rotate_loop.h" /* which undefines them */

@@ -2,7 +2,7 @@
  * file once per type, with S (storage), C (compute), INDEX (an integer
  * of C's width), LOAD, STORE, VECTOR (1 when S is C: the interleaved
  * layout in eights) and NAME(x) (the name of function x for that type)
- * defined. */
+ * defined; it undefines them at its end, for the next type. */
 
 /* Out of place, into fresh memory: write one byte of every page of
  * the output of tokens [from, to), so that their page faults come
@@ -165,3 +165,11 @@ int64_t NAME(ropelib_rotate)(const struct call *g) {
 #endif
     return bad;
 }
+
+#undef S
+#undef C
+#undef INDEX
+#undef LOAD
+#undef STORE
+#undef VECTOR
+#undef NAME

@@ -42,9 +42,9 @@ from .._validation import (
 )
 from ..config import rope_config
 from ..frequencies import angle_tables
-from ..kernels.door import check_kernel, check_packed, no_offsets, offset_positions
+from ..kernels.door import check_kernel, check_packed, check_packed_row, no_offsets, offset_positions
 from ..layouts import LAYOUTS
-from ..packing import check_cu_seqlens, positions_in_documents
+from ..packing import positions_in_documents
 from .cache import TableCache, table_dtype
 from .rotation import Rotation
 from .spec import RopeSpec
@@ -298,13 +298,7 @@ class RotaryEmbedding(nn.Module):
         length: int | None = None
         if cu_seqlens is not None:
             check_packed(positions, seqlen_offsets)
-            if batch != 1:
-                raise ValueError(
-                    f"with cu_seqlens, q and k must be one packed row [1, tokens, heads, d], got {tuple(q.shape)}"
-                )
-            cu_seqlens = check_cu_seqlens(cu_seqlens, seq)
-            if cu_seqlens.device != q.device:
-                raise ValueError(f"cu_seqlens must be on q's device {q.device}, got {cu_seqlens.device}")
+            cu_seqlens = check_packed_row(q, cu_seqlens)
             if self.learned_freq or self.spec.follows_length:  # rows of their own: the positions spelled out
                 positions, cu_seqlens = positions_in_documents(cu_seqlens, seq), None
             else:
