@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import ropelib
+from ropelib.kernels import native_build
 from ropelib.rotary.mrope import MRotaryEmbedding, mrope_axes, mrope_positions, mrope_tables
 
 transformers = pytest.importorskip("transformers")
@@ -169,7 +170,7 @@ def test_unequal_height_and_width_sections_match_transformers(kind: str, section
     assert torch.allclose(got_k, want_k.transpose(1, 2), atol=5e-5, rtol=0.0)
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native", "triton"])
+@pytest.mark.parametrize("kernel", ["torch", "triton"] + (["native"] if native_build.enabled() else []))
 def test_rotation_float64_and_kernels_agree_with_the_reference(kernel: str) -> None:
     # Each kernel's float64 rotation against float64 tables from Python's math; its float32 result
     # against it to float32 rounding of |x| ~ 4 values (1e-5).
@@ -258,7 +259,7 @@ def test_float_angles_of_large_positions() -> None:
     assert (cos[0].double() - torch.tensor(want, dtype=torch.float64)).abs().max() <= 1e-7
 
 
-@pytest.mark.parametrize("kernel", ["native", "triton"])
+@pytest.mark.parametrize("kernel", ["triton"] + (["native"] if native_build.enabled() else []))
 def test_kernels_take_per_token_tables(kernel: str) -> None:
     # The C loop and the fused Triton kernel (Triton's interpreter without CUDA) with one table row
     # per token, against the PyTorch kernel.

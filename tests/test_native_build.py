@@ -21,7 +21,9 @@ import torch
 import ropelib
 from ropelib.kernels import native_build, native_kernel, registry, torch_kernel
 
-pytestmark = pytest.mark.skipif(not native_build.enabled(), reason="no C compiler: the native kernel is off")
+pytestmark = pytest.mark.skipif(
+    not native_build.enabled(), reason="the native kernel is off (ROPELIB_CPU_COMPILE=0 or no C compiler)"
+)
 ROOT = Path(__file__).resolve().parents[1]
 REAL_CC = native_build.compiler()
 

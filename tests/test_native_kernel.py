@@ -18,7 +18,9 @@ from ropelib.kernels import native_build, native_kernel
 
 from references import EPS, rotate_ref
 
-pytestmark = pytest.mark.skipif(not native_build.enabled(), reason="no C compiler: the native kernel is off")
+pytestmark = pytest.mark.skipif(
+    not native_build.enabled(), reason="the native kernel is off (ROPELIB_CPU_COMPILE=0 or no C compiler)"
+)
 THETA = 10000.0
 DTYPES = [torch.float16, torch.bfloat16, torch.float32, torch.float64]
 LAYOUT = pytest.mark.parametrize("layout", ["half", "interleaved"])

@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from ropelib.kernels import rotary_qk
+from ropelib.kernels import native_build, rotary_qk
 from ropelib.packing import check_cu_seqlens, packed_positions
 from ropelib.rotary import RotaryEmbedding
 
@@ -136,7 +136,7 @@ def test_compiles_in_one_graph() -> None:
 # ----------------------------------------------------------------------------- rotating a packed row
 
 
-@pytest.mark.parametrize("kernel", ["torch", "native", "triton"])
+@pytest.mark.parametrize("kernel", ["torch", "triton"] + (["native"] if native_build.enabled() else []))
 @pytest.mark.parametrize("layout", ["half", "interleaved"])
 @pytest.mark.parametrize("flat", [True, False])
 def test_rotation_of_a_packed_row_restarts_in_each_document(kernel: str, layout: str, flat: bool) -> None:
