@@ -29,6 +29,10 @@ from .aliasing import check_inplace
 from .operators import rotary, rotary_
 from .registry import KERNEL_CHOICES, KERNELS
 
+#: The ``tensor_format`` of :func:`~ropelib.rotary_qk`: ``"bshd"`` (``[batch, seq, heads, head_dim]``) or
+#: ``"sbhd"`` (``[seq, batch, heads, head_dim]``, Transformer Engine's sequence-first format).
+TENSOR_FORMATS = ("bshd", "sbhd")
+
 
 def rotate(
     q: torch.Tensor,
@@ -186,6 +190,21 @@ def _packed(q: Any, k: Any, positions: object, seqlen_offsets: object) -> tuple[
     return q, k, flat
 
 
+def batch_first(q: object, k: object) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sequence-first ``q``/``k`` ``[seq, batch, heads, head_dim]`` as ``[batch, seq, ...]`` views (no copy).
+
+    Checks the rank and the shared ``[seq, batch]`` and ``head_dim`` in the sbhd terms the caller used.
+    """
+    q = check_float_tensor(q, "q", ndim=4)
+    k = check_float_tensor(k, "k", ndim=4)
+    if q.shape[:2] != k.shape[:2] or q.shape[-1] != k.shape[-1]:
+        raise ValueError(
+            "with tensor_format='sbhd', q and k must share [seq, batch] and head_dim, "
+            f"got {tuple(q.shape)} and {tuple(k.shape)}"
+        )
+    return q.transpose(0, 1), k.transpose(0, 1)
+
+
 def rotary_qk(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,6 +218,7 @@ def rotary_qk(
     kernel: str = "auto",
     cu_seqlens: torch.Tensor | None = None,
     seqlen_offsets: int | torch.Tensor = 0,
+    tensor_format: str = "bshd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) in one fused call, gathering cos/sin by position.
 
@@ -227,6 +247,10 @@ def rotary_qk(
         seqlen_offsets: flash-attn's ``seqlen_offsets`` (decoding with a KV cache): an int or an
             integer tensor ``[batch]``, >= 0, so token ``s`` of row ``b`` is at ``offsets[b] + s``
             (``< table_len``); not with ``positions`` or ``cu_seqlens``.
+        tensor_format: ``"bshd"`` (the default) or ``"sbhd"``: ``q``/``k`` are
+            ``[seq, batch, heads, head_dim]`` (Transformer Engine's sequence-first format), rotated
+            through transposed views, without a copy; ``positions`` keep their shapes above and the
+            outputs have the inputs' format. Not with ``cu_seqlens`` (packed rows have their own).
 
     Returns:
         ``(q_rotated, k_rotated)`` in the input dtypes, differentiable with respect to ``q`` and
@@ -243,6 +267,12 @@ def rotary_qk(
         (True, torch.Size([1, 4, 1, 8]))
     """
     flat = False
+    seq_first = check_choice(tensor_format, "tensor_format", TENSOR_FORMATS) == "sbhd"
+    given = q, k  # in place, what is returned
+    if seq_first:
+        if cu_seqlens is not None:
+            raise ValueError("cu_seqlens takes packed rows [1 or tokens, ...]: give tensor_format='bshd' with it")
+        q, k = batch_first(q, k)
     if cu_seqlens is not None:
         q, k, flat = _packed(q, k, positions, seqlen_offsets)
     check_qk(q, k)
@@ -304,4 +334,6 @@ def rotary_qk(
         inplace=inplace,
         cu_seqlens=cu_seqlens,
     )
+    if seq_first:
+        return given if inplace else (q_out.transpose(0, 1), k_out.transpose(0, 1))
     return (q_out[0], k_out[0]) if flat else (q_out, k_out)

@@ -51,7 +51,7 @@ CACHE_ENV = "ROPELIB_CACHE_DIR"
 #: The C source and the loop it includes, shipped with the package.
 SOURCES = (Path(__file__).with_name("rotate.c"), Path(__file__).with_name("rotate_loop.h"))
 #: The version of ``struct call`` in ``rotate.c``; the loaded library must report the same.
-ABI = 3
+ABI = 4
 #: Compiler flags, tried in order. First OpenMP and this processor's vector width, then without
 #: OpenMP (Apple's clang has none: one thread), then portable code. Every set keeps IEEE rounding.
 FLAGS = (
@@ -77,6 +77,10 @@ _POINTERS = ("q", "k", "q_out", "k_out", "cos", "sin", "pos")
 _SIZES = ("batch", "seq", "dim", "r2", "length", "q_heads", "k_heads")
 _STRIDES = ("qb", "qs", "qh", "kb", "ks", "kh", "qob", "qos", "qoh", "kob", "kos", "koh", "pb", "ps")
 _FLAGS = ("interleaved", "conjugate", "touch", "threads")
+#: The key/value-cache write (``slots`` NULL: none): then ``k_out`` is the key cache, its strides
+#: ``kob, kos, koh`` those of a block, a row of a block and a head.
+_CACHE_POINTERS = ("slots", "v", "v_out")
+_CACHE_SIZES = ("v_dim", "block_size", "num_slots", "vb", "vs", "vh", "vob", "vos", "voh", "sb", "ss")
 
 
 class Call(ctypes.Structure):
@@ -86,6 +90,8 @@ class Call(ctypes.Structure):
         ("abi", ctypes.c_int64),
         *((name, ctypes.c_void_p) for name in _POINTERS),
         *((name, ctypes.c_int64) for name in (*_SIZES, *_STRIDES, *_FLAGS)),
+        *((name, ctypes.c_void_p) for name in _CACHE_POINTERS),
+        *((name, ctypes.c_int64) for name in _CACHE_SIZES),
     ]
 
 

@@ -14,11 +14,16 @@ large (:data:`~ropelib.kernels.native_kernel.PARALLEL_ELEMENTS`); a decoding ste
 into fresh memory the loop touches the pages of a run of tokens before writing them
 (:data:`~ropelib.kernels.native_kernel.TOUCH_BYTES`), so that their page faults come together.
 
-This module's :func:`launch` is the only code that hands tensors' memory to C, and it runs only
-inside the ``ropelib::rotary`` and ``ropelib::rotary_`` operators' CPU kernel.
+With a slot mapping the same pass writes the rotated k into a key/value cache, at each token's
+slot, and copies v beside it (:func:`write_kv`).
+
+This module's :func:`launch` and :func:`write_kv` are the only code that hands tensors' memory to C,
+and they run only inside the ``ropelib`` operators' CPU kernels.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -50,6 +55,28 @@ def _fresh(x: torch.Tensor, out: torch.Tensor) -> bool:
     return out.data_ptr() != x.data_ptr() and out.is_contiguous()
 
 
+#: The cache part of a call without a cache write: no slots, no v (the C loop writes ``k_out``).
+NO_CACHE = (0,) * 14
+
+
+def _cache_fields(
+    slots: torch.Tensor, v: torch.Tensor, v_cache: torch.Tensor, k_cache: torch.Tensor
+) -> tuple[int, ...]:
+    """The cache part of :class:`~ropelib.kernels.native_build.Call` for a write into paged caches."""
+    blocks, block_size = k_cache.shape[:2]
+    return (
+        slots.data_ptr(),
+        v.data_ptr(),
+        v_cache.data_ptr(),
+        v.shape[3],
+        block_size,
+        blocks * block_size,
+        *v.stride()[:3],
+        *v_cache.stride()[:3],
+        *slots.stride(),
+    )
+
+
 def _launch(
     library: Library,
     q: torch.Tensor,
@@ -62,13 +89,16 @@ def _launch(
     *,
     interleaved: bool,
     conjugate: bool,
+    cache: tuple[int, ...] = NO_CACHE,
 ) -> None:
     per_token = (q.shape[2] + k.shape[2]) * q.shape[3]
     elements = q.shape[0] * q.shape[1] * per_token
     touch = threads = 1
     if elements >= PARALLEL_ELEMENTS:
         threads = torch.get_num_threads()
-    if elements * q.element_size() < TOUCH_BYTES or not (_fresh(q, q_out) and (k.shape[2] == 0 or _fresh(k, k_out))):
+    cached = cache is not NO_CACHE  # k_out is a cache: memory in use, never touched
+    fresh_k = k.shape[2] == 0 or cached or _fresh(k, k_out)
+    if elements * q.element_size() < TOUCH_BYTES or not (_fresh(q, q_out) and fresh_k):
         touch = 0  # small, or not fresh memory: nothing to gain from touching pages first
     else:
         touch = max(1, TOUCH_BYTES // max(1, per_token * q.element_size()))
@@ -97,14 +127,15 @@ def _launch(
         int(conjugate),
         touch,
         threads,
+        *cache,
     )
     bad = library.functions[q.dtype](call)
     if bad < 0:
         raise RuntimeError(f"{library.path} refused a call of ABI {ABI}")
     if bad:
         raise IndexError(
-            f"{bad} tokens have positions outside the table's [0, {cos.shape[0]}) rows; the operator's "
-            "kernel computes rows for them before calling the loop"
+            f"{bad} tokens have positions outside the table's [0, {cos.shape[0]}) rows or slots past the cache; "
+            "the operator's kernel computes rows for positions before calling the loop, its door checks the slots"
         )
 
 
@@ -130,12 +161,70 @@ def launch(
     _launch(BUILD.library(), q, k, q_out, k_out, cos, sin, positions, interleaved=interleaved, conjugate=conjugate)
 
 
+def write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+) -> None:
+    """Rotate ``q`` into ``q_out`` and ``k`` into its cache slots, copying ``v`` into its own, in one pass of the loop.
+
+    The contract of :func:`~ropelib.kernels.registry.run_kv_write` (paged caches, int64
+    ``[B, S]`` slots, negative ones skipped); the same bits as the PyTorch kernel's
+    :func:`~ropelib.kernels.torch_kernel.write_kv`.
+    """
+    _write_kv(BUILD.library(), q, k, v, q_out, k_cache, v_cache, slot_mapping, cos, sin, positions, interleaved)
+
+
+def _write_kv(
+    library: Library,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+) -> None:
+    cache = _cache_fields(slot_mapping, v, v_cache, k_cache)
+    _launch(library, q, k, q_out, k_cache, cos, sin, positions, interleaved=interleaved, conjugate=False, cache=cache)
+
+
+def _verify_kv_write(library: Library, dtype: torch.dtype, generator: torch.Generator) -> bool:
+    """True when the loop's cache write gives the PyTorch kernel's bits: paged, padding, a partial rotation."""
+    compute = torch.float64 if dtype == torch.float64 else torch.float32
+    q, k, v = (torch.randn(1, 5, heads, 14, generator=generator).to(dtype) for heads in (2, 1, 1))
+    angles = torch.rand(7, 5, generator=generator, dtype=torch.float64) * 100
+    cos, sin = angles.cos().to(compute), angles.sin().to(compute)
+    positions = torch.randint(0, 7, (1, 5), generator=generator)
+    slots = torch.tensor([[7, -1, 0, 4, 9]])
+    outs = []
+    for write in (torch_kernel.write_kv, functools.partial(_write_kv, library)):
+        q_out, caches = torch.empty_like(q), [torch.zeros(3, 4, 1, 14, dtype=dtype) for _ in range(2)]
+        write(q, k, v, q_out, *caches, slots, cos, sin, positions, interleaved=False)
+        outs.append((q_out, *caches))
+    return all(torch.equal(a, b) for a, b in zip(*outs))
+
+
 def verify(library: Library) -> None:
     """Raise :class:`~ropelib.kernels.native_build.BuildFailed` unless ``library`` gives the PyTorch kernel's bits.
 
     Run once per process on the library just loaded: every dtype, both layouts, an odd number of
-    pairs (the vector loops' tails), a partial rotation and both directions. A compiler that fuses
-    a multiply and an add behind the flags' back is caught here, and the PyTorch kernel serves.
+    pairs (the vector loops' tails), a partial rotation and both directions, and a write into a
+    paged cache. A compiler that fuses a multiply and an add behind the flags' back is caught
+    here, and the PyTorch kernel serves.
     """
     generator = torch.Generator().manual_seed(0)
     for dtype in DTYPES:
@@ -157,6 +246,8 @@ def verify(library: Library) -> None:
                         f"{library.path} does not compute the PyTorch kernel's bits ({dtype}, interleaved="
                         f"{interleaved}): the compiler changed the rounding"
                     )
+        if not _verify_kv_write(library, dtype, generator):
+            raise BuildFailed(f"{library.path} does not write the PyTorch kernel's bits into a cache ({dtype})")
 
 
 #: This process's native library, verified on loading.

@@ -1,6 +1,6 @@
 r"""ropelib's operators: the rotation as PyTorch sees it, with the rules autograd, compile, vmap and modes use.
 
-Two operators, defined with :class:`torch.library.Library` (a low-level definition: one dispatcher
+Three operators, defined with :class:`torch.library.Library` (a low-level definition: one dispatcher
 hop, no Python wrapper)::
 
     ropelib::rotary (Tensor q, Tensor k, Tensor cos, Tensor sin,
@@ -8,6 +8,11 @@ hop, no Python wrapper)::
                      Tensor? cu_seqlens, bool interleaved,
                      bool conjugate, str kernel) -> (Tensor, Tensor)
     ropelib::rotary_(Tensor(a!) q, Tensor(b!) k, ...the same...) -> ()
+    ropelib::rotary_kv_write_(Tensor q, Tensor k, Tensor v,
+                              Tensor(a!) k_cache, Tensor(b!) v_cache,
+                              Tensor slot_mapping, Tensor cos, Tensor sin,
+                              Tensor positions, bool interleaved,
+                              str kernel) -> Tensor
 
 ``rotary`` returns the rotated ``q`` ``[B, S, Hq, D]`` and ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0);
 ``rotary_`` overwrites them, and its schema says so, so that their version counters move
@@ -19,13 +24,20 @@ within each packed document; ``kernel`` is ``"auto"`` or a name of
 :data:`~ropelib.KERNELS`. The callers are :func:`ropelib.rotary_qk` and the
 modules, which check their arguments first; the operators do not check again.
 
+``rotary_kv_write_`` (inference only) returns the rotated ``q`` and writes the rotated ``k`` and
+``v`` of token ``(b, s)`` into slot ``slot_mapping[b, s]`` of the caches (vLLM's slot mapping:
+``[num_blocks, block_size, Hk, D]`` caches, or ``[num_slots, Hk, D]``; a negative slot is
+padding, not written); its caller is :func:`ropelib.serving.rotary_kv_cache_write`. With
+autograd recording and an input that requires grad it raises rather than drop the gradient.
+
 What is registered, beside the kernel (every backend; the chosen kernel touches the memory):
 
 * **autograd**: ``d/dq R(theta) q = R(-theta)``, so the backward of either operator is ``rotary``
   with ``conjugate`` flipped, itself differentiable (double backward). The in-place operator is
   recorded per tensor, one :class:`torch.autograd.Function` each, because autograd lets a function
   that modifies a view in place return only that view (q and k as views of one packed buffer);
-* **ADInplaceOrView** for ``rotary_``: the version counters of ``q`` and ``k`` are bumped;
+* **ADInplaceOrView** for ``rotary_`` and ``rotary_kv_write_``: the version counters of what
+  they write (``q`` and ``k``; the caches) are bumped;
 * **fake** (shape-only) functions, for :func:`torch.compile`, :func:`torch.export`, ``make_fx`` and
   meta tensors;
 * **vmap** rules: the vmapped dimension joins the batch (one call) when the tables are shared,
@@ -39,7 +51,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import increment_version
 
-from .registry import run
+from .registry import run, run_kv_write
 
 _ARGS = (
     "Tensor cos, Tensor sin, Tensor positions, Tensor? frequencies, Tensor? cu_seqlens, "
@@ -273,3 +285,103 @@ def _rotary_inplace_vmap(
     for i in range(info.batch_size):  # views of q and k: each member rotated where it lies
         rotary_(*_member_args((q, k, *rest), in_dims, i))
     return None, None
+
+
+# ----------------------------------------------------------------------------- the rotation fused with the KV-cache write
+
+LIBRARY.define(
+    "rotary_kv_write_(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+    "Tensor cos, Tensor sin, Tensor positions, bool interleaved, str kernel) -> Tensor",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
+#: ``ropelib::rotary_kv_write_``: returns the rotated q, writes the rotated k and v into the caches.
+rotary_kv_write_ = torch.ops.ropelib.rotary_kv_write_.default
+
+
+def _paged(cache: torch.Tensor) -> torch.Tensor:
+    """A cache as ``[num_blocks, block_size, heads, d]``: a contiguous ``[slots, heads, d]`` one is one block."""
+    return cache if cache.ndim == 4 else cache.unsqueeze(0)
+
+
+def _kv_write_kernel(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    interleaved: bool,
+    kernel: str,
+) -> torch.Tensor:
+    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
+    q_out = torch.empty_like(q)
+    run_kv_write(
+        kernel,
+        q,
+        k,
+        v,
+        q_out,
+        _paged(k_cache),
+        _paged(v_cache),
+        slot_mapping,
+        cos.contiguous(),
+        sin.contiguous(),
+        positions,
+        interleaved=interleaved,
+    )
+    return q_out
+
+
+LIBRARY.impl("rotary_kv_write_", _kv_write_kernel, "CompositeExplicitAutograd")
+
+
+@torch.library.register_fake("ropelib::rotary_kv_write_", lib=LIBRARY)
+def _kv_write_fake(q: torch.Tensor, *rest: Any) -> torch.Tensor:
+    return torch.empty_like(_unit_stride(q))
+
+
+def _refuse_gradients(*tensors: torch.Tensor) -> None:
+    """The fused write records no gradient: refuse, rather than drop one, when autograd would record."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            "ropelib::rotary_kv_write_ is inference-only and gives no gradient: call it under torch.no_grad() "
+            "or torch.inference_mode(), or rotate with ropelib.rotary_qk to train"
+        )
+
+
+def _kv_write_autograd(
+    keyset: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *rest: Any,
+) -> torch.Tensor:
+    _refuse_gradients(q, k, v, k_cache, v_cache, rest[1], rest[2])
+    if keyset == _PLAIN_INPLACE[0] or keyset == _PLAIN_INPLACE[1]:
+        increment_version(k_cache)  # what ADInplaceOrView does, then the backend
+        increment_version(v_cache)
+        return _kv_write_kernel(q, k, v, k_cache, v_cache, *rest)
+    return rotary_kv_write_.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, k_cache, v_cache, *rest)
+
+
+def _kv_write_version(
+    keyset: Any,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    *rest: Any,
+) -> torch.Tensor:
+    increment_version(k_cache)
+    increment_version(v_cache)
+    return rotary_kv_write_.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, q, k, v, k_cache, v_cache, *rest)
+
+
+LIBRARY.impl("rotary_kv_write_", _kv_write_autograd, "Autograd", with_keyset=True)
+LIBRARY.impl("rotary_kv_write_", _kv_write_version, "ADInplaceOrView", with_keyset=True)

@@ -35,12 +35,22 @@ from .native_kernel import BUILD
 #: ``q``/``k`` written into ``q_out``/``k_out`` (which may be ``q``/``k``), ``positions`` int64
 #: ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the ``[L, r/2]`` tables.
 Launch = Callable[..., None]
+#: ``write_kv(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos, sin, positions, *, interleaved)``:
+#: the rotation of ``q`` into ``q_out``, of ``k`` into the caches' slots with ``v`` beside it (see
+#: :func:`run_kv_write`).
+WriteKV = Callable[..., None]
 
 
 def _launch_triton(*args: Any, **kwargs: Any) -> None:
     from .triton_kernel import launch
 
     launch(*args, **kwargs)
+
+
+def _write_kv_triton(*args: Any, **kwargs: Any) -> None:
+    from .triton_kv_write import write_kv
+
+    write_kv(*args, **kwargs)
 
 
 def _triton_installed() -> bool:
@@ -53,13 +63,14 @@ class Kernel:
 
     ``reads_rows``: the kernel itself finds packed rows' positions (``cu_seqlens``) and computes the
     rows of positions beyond the table from the frequencies (Triton); for the others :func:`run`
-    prepares them.
+    prepares them. ``write_kv``: the rotation fused with the write of a key/value cache.
     """
 
     name: str
     launch: Launch
     reads_rows: bool
     runs_on: Callable[[torch.device, torch.dtype], bool]
+    write_kv: WriteKV
 
     def why_not(self, device: torch.device, dtype: torch.dtype) -> str | None:
         """None when this kernel can rotate ``dtype`` tensors on ``device`` here, else the reason."""
@@ -78,11 +89,17 @@ class Kernel:
 #: The kernels, by name.
 KERNELS: MappingProxyType[str, Kernel] = MappingProxyType(
     {
-        "torch": Kernel("torch", torch_kernel.launch, False, lambda device, dtype: True),
+        "torch": Kernel("torch", torch_kernel.launch, False, lambda device, dtype: True, torch_kernel.write_kv),
         "native": Kernel(
-            "native", native_kernel.launch, False, lambda d, t: d.type == "cpu" and t in native_kernel.DTYPES
+            "native",
+            native_kernel.launch,
+            False,
+            lambda d, t: d.type == "cpu" and t in native_kernel.DTYPES,
+            native_kernel.write_kv,
         ),
-        "triton": Kernel("triton", _launch_triton, True, lambda device, dtype: device.type in ("cuda", "cpu")),
+        "triton": Kernel(
+            "triton", _launch_triton, True, lambda device, dtype: device.type in ("cuda", "cpu"), _write_kv_triton
+        ),
     }
 )
 #: What a caller may ask for: ``"auto"`` or one of :data:`~ropelib.KERNELS`.
@@ -185,3 +202,30 @@ def run(
         interleaved=interleaved,
         conjugate=conjugate,
     )
+
+
+def run_kv_write(
+    kernel: str,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+) -> None:
+    """Rotate ``q`` into ``q_out`` and ``k`` into the caches, ``v`` beside it, with the kernel ``kernel`` stands for.
+
+    ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]``, ``v`` ``[B, S, Hk, Dv]`` with unit stride on
+    the features; ``k_cache`` ``[num_blocks, block_size, Hk, D]``, ``v_cache`` ``[..., Hk, Dv]`` (unit
+    feature stride, any other strides); ``slot_mapping`` int64 ``[B, S]``: token ``(b, s)`` goes to
+    block ``slot // block_size``, row ``slot % block_size``, and a negative slot is not written;
+    ``positions`` int64 ``[S]``, ``[1, S]`` or ``[B, S]`` in ``[0, L)``. The valid slots are distinct.
+    """
+    chosen = KERNELS[resolve(kernel, q.device, q.dtype)]
+    chosen.write_kv(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos, sin, positions, interleaved=interleaved)

@@ -26,6 +26,10 @@
  * process that has imported torch the library shares torch's OpenMP
  * runtime. A token whose position is outside [0, L) is left unwritten
  * and counted, and the count returned (the caller checks first).
+ *
+ * With a slot mapping (struct call's slots), k is rotated into the key
+ * cache at each token's slot and v copied into the value cache beside
+ * it, in the same pass (vLLM's reshape_and_cache with the rotation).
  */
 #include <stdint.h>
 #include <string.h>
@@ -34,7 +38,7 @@
 #endif
 
 /* Bumped whenever struct call changes: Python checks it on loading. */
-#define ROPELIB_ABI 3
+#define ROPELIB_ABI 4
 
 /* One call: native_kernel.Call mirrors this field by field. */
 struct call {
@@ -49,6 +53,19 @@ struct call {
     int64_t interleaved, conjugate;
     int64_t touch;   /* tokens per run of page touching (0: none) */
     int64_t threads;
+    /* The key/value-cache write; slots NULL: none. Otherwise k_out is
+     * the key cache [blocks, block_size, k_heads, dim] with strides
+     * kob, kos, koh (block, row, head), v_out the value cache with vob,
+     * vos, voh, and token (b, s) goes to slot slots[b sb + s ss]: block
+     * slot / block_size, row slot % block_size; v [B, S, k_heads, v_dim]
+     * (strides vb, vs, vh) is copied there. A negative slot is padding,
+     * not written; one >= num_slots is not written either, and counted. */
+    const int64_t *slots;
+    const void *v;
+    void *v_out;
+    int64_t v_dim, block_size, num_slots;
+    int64_t vb, vs, vh, vob, vos, voh;
+    int64_t sb, ss;
 };
 
 int64_t ropelib_abi(void) { return ROPELIB_ABI; }

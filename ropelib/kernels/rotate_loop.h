@@ -93,14 +93,46 @@ static inline ROPELIB_INLINE void NAME(heads)(
     }
 }
 
+/* v of one token into its cache slot (v, o at head 0): heads rows of
+ * v_dim values. */
+static inline void NAME(copy_heads)(const S *v, S *o, int64_t heads,
+                                    int64_t v_head, int64_t o_head,
+                                    int64_t v_dim) {
+    for (int64_t h = 0; h < heads; ++h)
+        memcpy(o + h * o_head, v + h * v_head, (size_t)v_dim * sizeof(S));
+}
+
+/* Where token (b, s)'s key goes: k_out at (b, s) without a slot
+ * mapping; else its cache slot, with v copied there, or NULL for
+ * padding (*bad counts a slot past the cache, also left unwritten). */
+static inline ROPELIB_INLINE S *NAME(key_row)(const struct call *g,
+                                              int64_t b, int64_t s,
+                                              int64_t *bad) {
+    S *k_out = (S *)g->k_out;
+    if (!g->slots) return k_out + b * g->kob + s * g->kos;
+    const int64_t slot = g->slots[b * g->sb + s * g->ss];
+    if (slot < 0) return NULL;
+    if (slot >= g->num_slots) {
+        ++*bad;
+        return NULL;
+    }
+    const int64_t block = slot / g->block_size, row = slot % g->block_size;
+    NAME(copy_heads)((const S *)g->v + b * g->vb + s * g->vs,
+                     (S *)g->v_out + block * g->vob + row * g->vos,
+                     g->k_heads, g->vh, g->voh, g->v_dim);
+    return k_out + block * g->kob + row * g->kos;
+}
+
 /* Tokens [t0, t1) of the flattened [B, S] in one layout and direction;
- * returns how many had a position outside [0, L) (left unwritten). */
+ * returns how many had a position outside [0, L) or a slot past the
+ * cache (left unwritten). */
 static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
     const struct call *g, int64_t t0, int64_t t1, const int interleaved,
     const int inverse) {
     const C *cos = (const C *)g->cos, *sin = (const C *)g->sin;
     const S *q = (const S *)g->q, *k = (const S *)g->k;
     S *q_out = (S *)g->q_out, *k_out = (S *)g->k_out;
+    const int cached = g->slots != NULL; /* k_out is a cache, not fresh */
     const int64_t r2 = g->r2, dim = g->dim, seq = g->seq;
     C wc[VECTOR ? 2 * r2 : 1], ws[VECTOR ? 2 * r2 : 1]; /* widened rows */
     int64_t bad = 0;
@@ -109,7 +141,8 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
         if (g->touch > 0 && (t - t0) % g->touch == 0) {
             const int64_t end = t + g->touch < t1 ? t + g->touch : t1;
             if (g->q_heads > 0) NAME(touch_pages)(q_out, t, end, g->qos);
-            if (g->k_heads > 0) NAME(touch_pages)(k_out, t, end, g->kos);
+            if (g->k_heads > 0 && !cached)
+                NAME(touch_pages)(k_out, t, end, g->kos);
         }
         const int64_t p = g->pos[b * g->pb + s * g->ps];
         if (p < 0 || p >= g->length) {
@@ -126,9 +159,11 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
         NAME(heads)(q + b * g->qb + s * g->qs,
                     q_out + b * g->qob + s * g->qos, g->q_heads, g->qh,
                     g->qoh, c, sn, wc, ws, r2, dim, interleaved, inverse);
-        NAME(heads)(k + b * g->kb + s * g->ks,
-                    k_out + b * g->kob + s * g->kos, g->k_heads, g->kh,
-                    g->koh, c, sn, wc, ws, r2, dim, interleaved, inverse);
+        S *k_row = NAME(key_row)(g, b, s, &bad);
+        if (k_row)
+            NAME(heads)(k + b * g->kb + s * g->ks, k_row, g->k_heads,
+                        g->kh, g->koh, c, sn, wc, ws, r2, dim,
+                        interleaved, inverse);
     }
     return bad;
 }

@@ -187,3 +187,41 @@ def launch(
             _rotate_block(x, out, cb, sb, interleaved, buffers[index])
             if not in_place and 2 * r2 < head_dim:
                 out[..., 2 * r2 :].copy_(x[..., 2 * r2 :])
+
+
+def write_kv(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    q_out: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    positions: torch.Tensor,
+    *,
+    interleaved: bool,
+) -> None:
+    """Rotate ``q`` into ``q_out`` and ``k`` into its cache slots, ``v`` into its own (contract: :func:`~ropelib.kernels.registry.run_kv_write`).
+
+    :func:`launch` rotates ``q`` and ``k`` (``k`` into a temporary), then one ``index_put_`` per
+    cache writes the tokens' rows. Padding (a negative slot) is skipped without reading a value
+    on the host: a padding token writes the row of the first valid token into that token's slot
+    (the same bits twice), or, when every token is padding, the cache's row 0 into itself.
+    """
+    k_rotated = torch.empty_like(k)
+    launch(q, k, q_out, k_rotated, cos, sin, positions, interleaved=interleaved, conjugate=False)
+    slots = slot_mapping.reshape(-1)
+    block_size = k_cache.shape[1]
+    if slots.numel() == 0 or k_cache.shape[0] * block_size == 0:
+        return  # nothing to write, or no slot a token could name (only padding)
+    valid = slots >= 0
+    first = valid.to(torch.uint8).argmax()  # the first valid token, or 0 when there is none
+    anchored = valid[first]
+    targets = torch.where(valid, slots, torch.where(anchored, slots[first], 0))
+    index = (targets // block_size, targets % block_size)
+    for rows, cache in ((k_rotated, k_cache), (v, v_cache)):
+        rows = rows.reshape(-1, *rows.shape[2:])  # [T, Hk, D]
+        stand_in = torch.where(anchored, rows[first], cache[0, 0])
+        cache.index_put_(index, torch.where(valid[:, None, None], rows, stand_in))
