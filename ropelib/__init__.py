@@ -43,6 +43,15 @@ from .rotary import (
     xpos_decay_rates,
 )
 from .scaling import ROPE_SCALINGS, register_scaling, rope_frequencies, scaled_inverse_frequencies
+from .serving import (
+    SinkCache,
+    apply_rope_with_cos_sin_cache,
+    apply_rope_with_cos_sin_cache_inplace,
+    make_cos_sin_cache,
+    rerotate_keys,
+    rotary_kv_cache_write,
+    rotary_qkv_,
+)
 
 __version__ = "0.1.0"
 
@@ -62,12 +71,15 @@ __all__ = [
     "RotaryEmbedding",
     "Rotation",
     "ShawRelativePosition",
+    "SinkCache",
     "SinusoidalPositionalEncoding",
     "T5RelativeBias",
     "TableCache",
     "XPos",
     "alibi_bias",
     "alibi_slopes",
+    "apply_rope_with_cos_sin_cache",
+    "apply_rope_with_cos_sin_cache_inplace",
     "apply_rotary",
     "apply_rotary_emb",
     "axial_positions",
@@ -82,6 +94,7 @@ __all__ = [
     "layout_permutation",
     "linear_attention",
     "linear_attention_weights",
+    "make_cos_sin_cache",
     "mrope_axes",
     "mrope_positions",
     "packed_positions",
@@ -89,9 +102,12 @@ __all__ = [
     "precompute_pos_cis",
     "register_scaling",
     "relative_positions",
+    "rerotate_keys",
     "rope_config",
     "rope_frequencies",
+    "rotary_kv_cache_write",
     "rotary_qk",
+    "rotary_qkv_",
     "rotate_half",
     "scaled_inverse_frequencies",
     "shard_positions",
