@@ -154,10 +154,10 @@ def rotary_kv_cache_write(
         raise ValueError(f"q must be [tokens, heads, head_dim] or [batch, seq, heads, head_dim], got {tuple(q.shape)}")
     flat = q.ndim == 3
     k = check_float_tensor(k, "k", ndim=q.ndim)
+    check_qk(*((q.unsqueeze(0), k.unsqueeze(0)) if flat else (q, k)))  # k against q, then v against k
     v = _check_v(v, k)
     if flat:
         q, k, v = q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0)
-    check_qk(q, k)
     cos, sin = check_tables(cos, sin, q)
     interleaved = check_choice(layout, "layout", LAYOUTS) == "interleaved"
     kernel = check_kernel(kernel, q.device, q.dtype)
