@@ -1,13 +1,19 @@
 """The stand-in for a modeling module's apply function, and its per-signature adapters.
 
-``transformers`` families call their rotation with one of three signatures (:data:`SIGNATURES`):
+``transformers`` families call their rotation with one of these signatures (:data:`SIGNATURES`):
 
 * ``"qk_cos_sin"``: ``apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1)``, ``q, k`` of shape
-  ``[batch, heads, seq, d]`` (Llama, GLM, Cohere, Gemma 3, Qwen2-VL);
+  ``[batch, heads, seq, d]`` (Llama, GLM, Cohere, Gemma 3, Qwen2-VL, GPT-OSS, Ernie 4.5);
+* ``"qk_cos_sin_to_halves"``: the same call, whose function reads interleaved pairs and writes
+  the rotated ones out as halves, ``(x_0', x_2', .., x_1', x_3', ..)`` (DeepSeek V3's
+  ``apply_rotary_pos_emb_interleave``);
+* ``"x_cos_sin"``: ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)``, one tensor
+  ``[batch, seq, heads, d]`` at a time (Gemma 4);
 * ``"tensor_sin_cos"``: ``apply_rotary_pos_emb(x, sin, cos)``, one ``[batch, seq, heads, r]``
   tensor, tables ``[batch, seq, r/2]`` (GPT-J);
 * ``"qk_freqs"``: ``apply_rotary_emb(xq, xk, freqs_cis)``, ``[batch, seq, heads, d]`` and complex
-  ``[batch, seq, r/2]`` (Llama 4, Meta's form).
+  ``[batch, seq, r/2]`` (Llama 4, Meta's form);
+* ``"qk_freqs_heads_first"``: the same with ``[batch, heads, seq, d]`` (DeepSeek V2's MLA).
 
 A call is rotated by ropelib only when its tables are the very tensors an installed
 :class:`~ropelib.HFRotaryEmbedding` returned, unchanged since (their version counters; see
@@ -54,6 +60,12 @@ def _rotate(
 # ----------------------------------------------------------------------------- qk_cos_sin (Llama and most)
 
 
+def _heads_first(q: torch.Tensor, k: torch.Tensor, found: ReturnedTables, interleaved: bool) -> Any:
+    """Rotate ``[batch, heads, seq, d]`` tensors (transposed views to ropelib's ``[batch, seq, heads, d]`` and back)."""
+    q_out, k_out = _rotate(q.transpose(1, 2), k.transpose(1, 2), found, interleaved)
+    return q_out.transpose(1, 2), k_out.transpose(1, 2)
+
+
 def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
     if len(args) != 4 or set(kwargs) - {"unsqueeze_dim"}:
         return None
@@ -64,9 +76,8 @@ def _run_qk_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: 
     found = _fits(returned_tables(cos, sin), q, k, seq_dim=3 - unsqueeze_dim)
     if found is None:
         return None
-    if unsqueeze_dim == 1:  # [batch, heads, seq, d] -> ropelib's [batch, seq, heads, d]
-        q_out, k_out = _rotate(q.transpose(1, 2), k.transpose(1, 2), found, interleaved)
-        return q_out.transpose(1, 2), k_out.transpose(1, 2)
+    if unsqueeze_dim == 1:
+        return _heads_first(q, k, found, interleaved)
     return _rotate(q, k, found, interleaved)
 
 
@@ -74,6 +85,43 @@ def _probe_qk_cos_sin(original: Callable[..., Any], q: torch.Tensor, k: torch.Te
     cos, sin = tables
     q2, k2 = original(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
     return q2.transpose(1, 2), k2.transpose(1, 2)
+
+
+def to_halves(x: torch.Tensor, rotated: int) -> torch.Tensor:
+    """The first ``rotated`` features of ``x`` reordered from pairs ``(x_0, x_1), (x_2, x_3), ..`` to halves
+    ``(x_0, x_2, .., x_1, x_3, ..)``, the rest as they are."""
+    head, rest = x[..., :rotated], x[..., rotated:]
+    return torch.cat((head[..., 0::2], head[..., 1::2], rest), dim=-1)
+
+
+def _run_qk_cos_sin_to_halves(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    out = _run_qk_cos_sin(args, kwargs, interleaved)
+    if out is None:
+        return None
+    return tuple(to_halves(t, args[2].shape[-1]) for t in out)  # cat(c, c) tables: as wide as the rotated part
+
+
+# ----------------------------------------------------------------------------- x_cos_sin (Gemma 4)
+
+
+def _run_x_cos_sin(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    if len(args) != 3 or set(kwargs) - {"unsqueeze_dim"}:
+        return None
+    x, cos, sin = args
+    unsqueeze_dim = kwargs.get("unsqueeze_dim", 1)
+    if unsqueeze_dim not in (1, 2):
+        return None
+    found = _fits(returned_tables(cos, sin), x, seq_dim=3 - unsqueeze_dim)
+    if found is None:
+        return None
+    if unsqueeze_dim == 1:
+        return _heads_first(x, x[:, :0], found, interleaved)[0]
+    return _rotate(x, x[:, :, :0], found, interleaved)[0]  # one tensor: no key heads beside it
+
+
+def _probe_x_cos_sin(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
+    cos, sin = tables
+    return tuple(original(t, cos, sin, unsqueeze_dim=2) for t in (q, k))
 
 
 # ----------------------------------------------------------------------------- tensor_sin_cos (GPT-J)
@@ -111,6 +159,19 @@ def _probe_qk_freqs(original: Callable[..., Any], q: torch.Tensor, k: torch.Tens
     return original(q, k, tables)
 
 
+def _run_qk_freqs_heads_first(args: tuple[Any, ...], kwargs: dict[str, Any], interleaved: bool) -> Any:
+    if len(args) != 3 or kwargs:
+        return None
+    q, k, freqs = args
+    found = _fits(returned_tables(freqs), q, k, seq_dim=2)
+    return None if found is None else _heads_first(q, k, found, interleaved)
+
+
+def _probe_qk_freqs_heads_first(original: Callable[..., Any], q: torch.Tensor, k: torch.Tensor, tables: Any) -> Any:
+    q2, k2 = original(q.transpose(1, 2), k.transpose(1, 2), tables)
+    return q2.transpose(1, 2), k2.transpose(1, 2)
+
+
 @dataclass(frozen=True)
 class Signature:
     """How a family's apply function is called: ``run`` (live calls) and ``probe`` (patch time), see the module docstring."""
@@ -118,6 +179,8 @@ class Signature:
     name: str
     run: Callable[[tuple[Any, ...], dict[str, Any], bool], Any]
     probe: Callable[[Callable[..., Any], torch.Tensor, torch.Tensor, Any], Any]
+    #: the function writes the rotated pairs out as halves (:func:`to_halves`)
+    to_halves: bool = False
 
 
 #: The signatures of apply functions, by name.
@@ -126,8 +189,11 @@ SIGNATURES: MappingProxyType[str, Signature] = MappingProxyType(
         s.name: s
         for s in (
             Signature("qk_cos_sin", _run_qk_cos_sin, _probe_qk_cos_sin),
+            Signature("qk_cos_sin_to_halves", _run_qk_cos_sin_to_halves, _probe_qk_cos_sin, to_halves=True),
+            Signature("x_cos_sin", _run_x_cos_sin, _probe_x_cos_sin),
             Signature("tensor_sin_cos", _run_tensor_sin_cos, _probe_tensor_sin_cos),
             Signature("qk_freqs", _run_qk_freqs, _probe_qk_freqs),
+            Signature("qk_freqs_heads_first", _run_qk_freqs_heads_first, _probe_qk_freqs_heads_first),
         )
     }
 )

@@ -14,7 +14,8 @@ Rows are tried in order for each module of a model; the Llama template, last, ta
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import sys
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,26 +54,42 @@ def text_rotary_in(*modeling: str) -> Callable[[nn.Module], bool]:
     return test
 
 
-def single_options(config: dict[str, Any]) -> Options:
-    """One RoPE setting for all layers: :func:`ropelib.rope_config` of the config."""
-    return {None: rope_config(config)}
+def single_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> Options:
+    """One RoPE setting for all layers: :func:`ropelib.rope_config` of the config.
+
+    ``ignore_keys``: the config class's ``ignore_keys_at_rope_validation`` (model-specific keys of its rope parameters)."""
+    return {None: rope_config(config, ignore_keys=ignore_keys)}
 
 
-def per_layer_type_options(config: dict[str, Any]) -> Options:
-    """One setting per layer type (Gemma 3): ``rope_config`` of the config with each layer type's ``rope_parameters``."""
+def _layer_overrides(config: dict[str, Any], layer_type: str) -> dict[str, Any]:
+    """The ``per_layer_config`` entries (keyed by layer index) of the first layer of ``layer_type`` (Gemma 4's
+    ``head_dim`` of its global layers), or ``{}``."""
+    per_layer = config.get("per_layer_config") or {}
+    index = list(config.get("layer_types") or ()).index(layer_type)
+    overrides = per_layer.get(str(index), per_layer.get(index)) if isinstance(per_layer, dict) else None
+    return dict(overrides) if isinstance(overrides, dict) else {}
+
+
+def per_layer_type_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> Options:
+    """One setting per layer type (Gemma 3, Gemma 4): ``rope_config`` of the config with each layer type's
+    ``rope_parameters`` (and the ``per_layer_config`` overrides of a layer of that type)."""
     params = config.get("rope_parameters") or {}
-    types = sorted(set(config.get("layer_types") or ()))
+    # layer types with rope_parameters None have no RoPE (convolution or MLP-only layers, as transformers skips them)
+    types = sorted({t for t in config.get("layer_types") or () if params.get(t) is not None})
     if not types or not all(isinstance(params.get(t), dict) for t in types):
         raise ValueError(f"config needs a rope_parameters dict for each of its layer_types {types}")
-    return {t: rope_config({**config, "rope_parameters": params[t]}) for t in types}
+    return {
+        t: rope_config({**config, **_layer_overrides(config, t), "rope_parameters": params[t]}, ignore_keys=ignore_keys)
+        for t in types
+    }
 
 
-def mrope_options(config: dict[str, Any]) -> Options:
+def mrope_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> Options:
     """Qwen2-VL's text config: ``rope_config`` without the ``mrope_section`` (read from the rotary module)."""
-    return {None: rope_config(config, ignore_keys=("mrope_section", "mrope_interleaved"))}
+    return {None: rope_config(config, ignore_keys={"mrope_section", "mrope_interleaved", *ignore_keys})}
 
 
-def gptj_options(config: dict[str, Any]) -> Options:
+def gptj_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> Options:
     """GPT-J: ``n_embd / n_head`` features per head, the first ``rotary_dim`` rotated, base 10 000, no scaling."""
     heads = config.get("n_head", config.get("num_attention_heads"))
     hidden = config.get("n_embd", config.get("hidden_size"))
@@ -82,6 +99,20 @@ def gptj_options(config: dict[str, Any]) -> Options:
     if config.get("rotary_dim") is not None:
         options["rotary_dim"] = config["rotary_dim"]  # checked by RotaryEmbedding (even, <= head_dim)
     return {None: options}
+
+
+def rope_interleave_in_config(module: nn.Module) -> bool:
+    """A text rotary module of a modeling module with ``apply_rotary_pos_emb_interleave`` (DeepSeek V3's MLA and the
+    models generated from it), in a model whose ``config.rope_interleave`` is set or a module with no other rotation."""
+    py_module = sys.modules.get(type(module).__module__)
+    return (
+        text_rotary_in(_modeling(module))(module)
+        and callable(getattr(py_module, "apply_rotary_pos_emb_interleave", None))
+        and (
+            bool(getattr(module.config, "rope_interleave", False))
+            or not callable(getattr(py_module, "apply_rotary_pos_emb", None))  # the only rotation there is
+        )
+    )
 
 
 def _is_per_layer_type(module: nn.Module) -> bool:
@@ -105,7 +136,8 @@ class Family:
         layout: the pairs that function rotates (:data:`ropelib.layouts.LAYOUTS`).
         signature: how that function is called (:data:`~ropelib.integrations.huggingface.apply.SIGNATURES`).
         output: the form of tables the rotary module returns (:data:`~ropelib.integrations.huggingface.module.OUTPUTS`).
-        options: the config dict -> :class:`ropelib.RotaryEmbedding` arguments by layer type (``None``: one setting).
+        options: ``(config dict, ignore_keys)`` -> :class:`ropelib.RotaryEmbedding` arguments by layer type
+            (``None``: one setting); ``ignore_keys`` is the config's ``ignore_keys_at_rope_validation``.
         mrope: None, or ``"sections"`` (Qwen2-VL) / ``"interleaved"`` (Qwen3-VL) M-RoPE, with the
             module's ``mrope_section``.
     """
@@ -116,7 +148,7 @@ class Family:
     layout: str
     signature: str = "qk_cos_sin"
     output: str = "cat"
-    options: Callable[[dict[str, Any]], Options] = single_options
+    options: Callable[[dict[str, Any], Iterable[str]], Options] = single_options
     mrope: str | None = None
 
     def __post_init__(self) -> None:
@@ -130,18 +162,67 @@ class Family:
             raise ValueError(f"mrope must be None, 'sections' or 'interleaved', got {self.mrope!r}")
 
 
+#: Gemma 3n, Gemma 4: Gemma 3's module (its global layers' ``head_dim`` from ``per_layer_config``), q and k rotated one at a time.
+GEMMA4 = Family(
+    "per layer type, one tensor a call (Gemma 4)",
+    lambda m: (
+        _modeling(m) in ("modeling_gemma3n", "modeling_gemma4", "modeling_gemma4_unified") and _is_per_layer_type(m)
+    ),
+    "apply_rotary_pos_emb",
+    "half",
+    signature="x_cos_sin",
+    options=per_layer_type_options,
+)
 #: Gemma 3: one rotary module with an ``inv_freq`` per layer type, called as ``rotary_emb(x, positions, layer_type)``.
 GEMMA3 = Family(
     "per layer type (Gemma 3)", _is_per_layer_type, "apply_rotary_pos_emb", "half", options=per_layer_type_options
 )
-#: GLM / GLM-4: Llama's tables, rotated in the interleaved layout (first half of the table, each angle repeated).
-GLM = Family("GLM", text_rotary_in("modeling_glm", "modeling_glm4"), "apply_rotary_pos_emb", "interleaved")
-#: Cohere: tables with each angle repeated side by side, rotated in the interleaved layout.
-COHERE = Family("Cohere", text_rotary_in("modeling_cohere"), "apply_rotary_pos_emb", "interleaved", output="repeat")
-#: GPT-J: a table of ``(sin, cos)`` halves, one tensor rotated at a time, interleaved, ``rotary_dim`` of the head.
+#: GLM / GLM-4, Helium: Llama's tables, rotated in the interleaved layout (first half of the table, each angle repeated).
+GLM = Family(
+    "GLM", text_rotary_in("modeling_glm", "modeling_glm4", "modeling_helium"), "apply_rotary_pos_emb", "interleaved"
+)
+#: Cohere, Cohere 2: tables with each angle repeated side by side, rotated in the interleaved layout.
+COHERE = Family(
+    "Cohere",
+    text_rotary_in("modeling_cohere", "modeling_cohere2", "modeling_cohere2_moe"),
+    "apply_rotary_pos_emb",
+    "interleaved",
+    output="repeat",
+)
+#: Ernie 4.5: GLM's rotation over the whole head, with Llama's tables kept in float32.
+ERNIE = Family(
+    "Ernie 4.5",
+    text_rotary_in("modeling_ernie4_5", "modeling_ernie4_5_moe"),
+    "apply_rotary_pos_emb",
+    "interleaved",
+    output="cat_float32",
+)
+#: GPT-OSS: tables of one angle per pair (``[batch, seq, r/2]``), rotated in halves.
+GPT_OSS = Family("GPT-OSS", text_rotary_in("modeling_gpt_oss"), "apply_rotary_pos_emb", "half", output="half")
+#: DeepSeek V2: MLA's decoupled RoPE key in Meta's complex form, heads first.
+DEEPSEEK_V2 = Family(
+    "DeepSeek V2 (MLA, complex)",
+    text_rotary_in("modeling_deepseek_v2"),
+    "apply_rotary_emb",
+    "interleaved",
+    signature="qk_freqs_heads_first",
+    output="complex",
+)
+#: DeepSeek V3 with ``rope_interleave``: interleaved pairs in, halves out; without it the Llama template.
+DEEPSEEK_V3_INTERLEAVED = Family(
+    "DeepSeek V3 interleaved (MLA)",
+    rope_interleave_in_config,
+    "apply_rotary_pos_emb_interleave",
+    "interleaved",
+    signature="qk_cos_sin_to_halves",
+)
+#: GPT-J, CodeGen: a table of ``(sin, cos)`` halves, one tensor rotated at a time, interleaved, ``rotary_dim`` of the head.
 GPTJ = Family(
     "GPT-J",
-    lambda m: _modeling(m) == "modeling_gptj" and type(m).__name__ == "GPTJRotaryEmbedding",
+    lambda m: (
+        type(m).__name__ in ("GPTJRotaryEmbedding", "CodeGenRotaryEmbedding")
+        and _modeling(m) in ("modeling_gptj", "modeling_codegen")
+    ),
     "apply_rotary_pos_emb",
     "interleaved",
     signature="tensor_sin_cos",
@@ -176,7 +257,7 @@ QWEN3_VL = Family(
     mrope="interleaved",
 )
 #: The Llama template: Llama, Qwen2/3, Mistral, Mixtral, Gemma/Gemma 2, OLMo 2, Granite, StableLM,
-#: GPT-NeoX and Phi (partial rotary), Phi-3, DeepSeek-V3, Falcon and the others generated from it.
+#: GPT-NeoX and Phi (partial rotary), Phi-3, DeepSeek-V3 without rope_interleave, Falcon and the others generated from it.
 LLAMA_TEMPLATE = Family(
     name="Llama template (rotate_half)",
     is_rotary_module=lambda m: (
@@ -187,7 +268,21 @@ LLAMA_TEMPLATE = Family(
 )
 
 #: Every family, tried in order for each module (the Llama template last).
-FAMILIES: tuple[Family, ...] = (GEMMA3, GLM, COHERE, GPTJ, LLAMA4, QWEN2_VL, QWEN3_VL, LLAMA_TEMPLATE)
+FAMILIES: tuple[Family, ...] = (
+    GEMMA4,
+    GEMMA3,
+    GLM,
+    COHERE,
+    ERNIE,
+    GPT_OSS,
+    GPTJ,
+    LLAMA4,
+    DEEPSEEK_V2,
+    DEEPSEEK_V3_INTERLEAVED,
+    QWEN2_VL,
+    QWEN3_VL,
+    LLAMA_TEMPLATE,
+)
 
 
 def family_of(module: nn.Module) -> Family | None:

@@ -18,7 +18,7 @@ from ...scaling import rope_type_of
 from ...scaling.registry import key_names
 
 #: The forms of tables a ``transformers`` rotary module returns (see :class:`HFRotaryEmbedding`).
-OUTPUTS = ("cat", "repeat", "sin_cos", "complex")
+OUTPUTS = ("cat", "cat_float32", "half", "repeat", "sin_cos", "complex")
 #: The attribute of a returned table that holds its :class:`ReturnedTables`.
 TAG = "_ropelib_tables"
 
@@ -59,14 +59,41 @@ def returned_tables(first: object, second: object = None) -> ReturnedTables | No
     return tag
 
 
+#: The keys :func:`ropelib.rope_config` reads, looked up on a ``transformers`` config as ``transformers`` does
+#: (``getattr``: through its ``attribute_map`` aliases and properties) where ``to_dict()`` leaves them out.
+READ_KEYS = (
+    "head_dim",
+    "hidden_size",
+    "num_attention_heads",
+    "max_position_embeddings",
+    "original_max_position_embeddings",
+    "partial_rotary_factor",
+    "rope_theta",
+    "rope_parameters",
+)
+
+
 def config_dict(config: Any) -> dict[str, Any]:
-    """A ``transformers`` config (anything with ``to_dict()``) or a ``config.json`` dict, as a dict."""
+    """A ``transformers`` config (anything with ``to_dict()``) or a ``config.json`` dict, as a dict.
+
+    For a config object, the keys of :data:`READ_KEYS` missing from ``to_dict()`` are read with
+    ``getattr`` (DBRX's ``hidden_size`` is its ``d_model`` through ``attribute_map``, say).
+    """
     if isinstance(config, Mapping):
         return dict(config)
     to_dict = getattr(config, "to_dict", None)
     if not callable(to_dict):
         raise TypeError(f"config must be a transformers config (with to_dict()) or a dict, got {type(config).__name__}")
-    return dict(to_dict())
+    found = dict(to_dict())
+    for key in READ_KEYS:
+        if found.get(key) is None:
+            try:
+                value = getattr(config, key, None)
+            except Exception:  # noqa: BLE001  (a per-layer config's global attribute is ambiguous: leave it out)
+                value = None
+            if value is not None:
+                found[key] = value
+    return found
 
 
 class HFRotaryEmbedding(nn.Module):
@@ -80,6 +107,8 @@ class HFRotaryEmbedding(nn.Module):
 
     * ``"cat"`` (Llama and most models): ``(cat(c, c), cat(s, s))``, ``[batch, seq, r]``, each
       angle written twice because ``transformers`` rotates in the ``"half"`` layout;
+    * ``"cat_float32"`` (Ernie 4.5): the same in float32 whatever ``x``'s dtype;
+    * ``"half"`` (GPT-OSS): ``(c, s)``, ``[batch, seq, r/2]``;
     * ``"repeat"`` (Cohere): ``(repeat_interleave(c, 2), ...)``, for the ``"interleaved"`` layout;
     * ``"sin_cos"`` (GPT-J): ``(s, c)``, ``[batch, seq, r/2]``, sine first;
     * ``"complex"`` (Llama 4): ``c + i s``, complex ``[batch, seq, r/2]`` (Meta's ``freqs_cis``).
@@ -255,8 +284,10 @@ class HFRotaryEmbedding(nn.Module):
         """The half-width tables in the form of :attr:`output` (see the class docstring)."""
         if self.output == "complex":
             return torch.complex(cos, sin)
-        if self.output == "sin_cos":
-            return sin.to(dtype), cos.to(dtype)
+        if self.output in ("sin_cos", "half"):
+            return (sin.to(dtype), cos.to(dtype)) if self.output == "sin_cos" else (cos.to(dtype), sin.to(dtype))
+        if self.output == "cat_float32":
+            dtype = torch.float32
         if self.output == "repeat":
             return cos.repeat_interleave(2, dim=-1).to(dtype), sin.repeat_interleave(2, dim=-1).to(dtype)
         cos, sin = torch.cat((cos, cos), dim=-1), torch.cat((sin, sin), dim=-1)

@@ -75,6 +75,16 @@ def _config_of(model: nn.Module, name: str, module: nn.Module) -> object:
     return config
 
 
+def _ignored_keys(config: object) -> frozenset[str]:
+    """The config class's ``ignore_keys_at_rope_validation`` (model-specific keys of its rope parameters), as transformers reads them."""
+    keys = getattr(config, "ignore_keys_at_rope_validation", None)
+    return (
+        frozenset(k for k in keys if isinstance(k, str))
+        if isinstance(keys, (set, frozenset, list, tuple))
+        else frozenset()
+    )
+
+
 def _replacement(model: nn.Module, name: str, original: nn.Module, family: Family, kernel: str) -> HFRotaryEmbedding:
     """The :class:`HFRotaryEmbedding` for ``original``, built from the config as the family's row says."""
     config = _config_of(model, name, original)
@@ -88,7 +98,7 @@ def _replacement(model: nn.Module, name: str, original: nn.Module, family: Famil
         kernel=kernel,
         original=original,
         output=family.output,
-        rope_options=family.options(config_dict(config)),
+        rope_options=family.options(config_dict(config), _ignored_keys(config)),
         mrope_section=mrope_section,
         mrope_interleaved=family.mrope == "interleaved",
     )

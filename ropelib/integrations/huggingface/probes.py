@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from ...reference import rotate
-from .apply import SIGNATURES, RopelibApply
+from .apply import SIGNATURES, RopelibApply, to_halves
 from .families import Family
 from .module import HFRotaryEmbedding, returned_tables
 
@@ -112,6 +112,8 @@ def probe_apply(py_module: ModuleType, family: Family, replacement: HFRotaryEmbe
     # ropelib's reference rotation (the kernels are checked against it in ropelib's own tests)
     got_q = rotate(q, cos_half, sin_half, family.layout)
     got_k = rotate(k, cos_half, sin_half, family.layout)
+    if SIGNATURES[family.signature].to_halves:
+        got_q, got_k = to_halves(got_q, shape[3]), to_halves(got_k, shape[3])
     # Same float32 products and sums in both, so they agree to a few ulps of |x| ~ 4.
     if not (torch.allclose(want_q, got_q, atol=1e-5) and torch.allclose(want_k, got_k, atol=1e-5)):
         raise ValueError(
