@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -11,6 +12,57 @@ from .scaling import ROPE_SCALINGS, rope_type_of, scaled_inverse_frequencies, va
 from .scaling.registry import key_names
 
 _CONFIG_ONLY_KEYS = ("rope_theta", "partial_rotary_factor")
+
+#: Names of ``type`` that ``transformers`` configs rename, beside the ``rope_type`` they become:
+#: Qwen2-VL / Qwen2.5-VL's ``"mrope"`` (default frequencies, pairs split by ``mrope_section``) and
+#: Phi-3's ``"su"`` and ``"yarn"`` (LongRoPE, by its earlier names; ``"yarn"`` so only in Phi-3).
+LEGACY_TYPES: Mapping[tuple[str | None, str], str] = {
+    (None, "mrope"): "default",
+    (None, "su"): "longrope",
+    ("phi3", "yarn"): "longrope",
+}
+#: The keys of M-RoPE's parameters, read by :class:`~ropelib.MRotaryEmbedding` rather than the scaling.
+MROPE_KEYS = ("mrope_section", "mrope_interleaved")
+#: Top-level keys of older ``config.json`` files that ``transformers`` reads as RoPE keys (GPT-NeoX).
+LEGACY_KEYS = {"rotary_emb_base": "rope_theta", "rotary_pct": "partial_rotary_factor"}
+#: Defaults ``transformers`` gives a model type where its config has none (GPT-NeoX rotates a quarter).
+MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {"gpt_neox": {"partial_rotary_factor": 0.25}}
+
+
+def _warn(message: str) -> None:
+    warnings.warn(message, UserWarning, stacklevel=3)  # at the caller of rope_config
+
+
+def _legacy_name(name: object, model_type: object) -> object:
+    """A ``rope_type`` / ``type`` value as ``transformers`` renames it (:data:`LEGACY_TYPES`)."""
+    if not isinstance(name, str):
+        return name
+    return LEGACY_TYPES.get(
+        (None, name), LEGACY_TYPES.get((model_type if isinstance(model_type, str) else None, name), name)
+    )
+
+
+def standard_rope_parameters(params: Mapping[str, Any], model_type: object = None) -> tuple[dict[str, Any], bool]:
+    """A flat rope parameters dict as ``transformers`` standardises it: one ``rope_type``; whether it is M-RoPE.
+
+    ``rope_type`` comes first, then ``type`` (its former name); :data:`LEGACY_TYPES` are renamed.
+    ``type`` beside ``rope_type`` is dropped: where it names another scaling, ``rope_type`` is used
+    (as in transformers) and a :class:`UserWarning` says so.
+    """
+    params = dict(params)
+    given = params.pop("type", None)
+    mrope = "mrope" in (given, params.get("rope_type"))
+    rope_type = _legacy_name(params.get("rope_type", given), model_type)
+    if rope_type is not None:
+        params["rope_type"] = rope_type
+    elif params:
+        params["rope_type"] = "default"
+    if given is not None and "rope_type" in params and _legacy_name(given, model_type) != params["rope_type"]:
+        _warn(
+            f"rope parameters have rope_type={params['rope_type']!r} and type={given!r}; rope_type is used "
+            "(transformers reads type only where rope_type is missing)"
+        )
+    return params, mrope
 
 
 def _config_value(config: Mapping[str, Any], params: Mapping[str, Any], key: str) -> Any:
@@ -33,6 +85,12 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
 
     ``ignore_keys`` names model-specific keys of the rope parameters that are not RoPE scaling
     (Qwen2-VL's ``mrope_section``, say): they are dropped, as ``transformers``' ``ignore_keys`` lets them through.
+
+    Configs as released are read as ``transformers`` reads them (:func:`standard_rope_parameters`):
+    ``type`` for ``rope_type`` (beside it, ``rope_type`` wins), Qwen2-VL's ``"mrope"`` (default
+    frequencies; ``mrope_section`` then let through, for :class:`~ropelib.MRotaryEmbedding`),
+    Phi-3's ``"su"``, ``rope_scaling`` beside the ``rope_parameters`` transformers writes from it,
+    and GPT-NeoX's ``rotary_emb_base`` / ``rotary_pct`` (a quarter of the head by default).
 
     ``rope_type="proportional"`` keeps ``partial_rotary_factor`` in its dict and ``rotary_dim`` is
     ``head_dim``, as in transformers (:func:`~ropelib.scaling.proportional.proportional_scaling`).
@@ -60,19 +118,37 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
     """
     if not isinstance(config, Mapping):
         raise TypeError(f"config must be a dict (a parsed config.json), got {type(config).__name__}")
+    model_type = config.get("model_type")
+    config = dict(config)
+    for old_key, key in LEGACY_KEYS.items():
+        if config.get(old_key) is not None and config.get(key) is None:
+            config[key] = config[old_key]
     params, legacy = config.get("rope_parameters"), config.get("rope_scaling")
     for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
         if value is not None and not isinstance(value, Mapping):
             raise TypeError(f"config[{name!r}] must be a dict or null, got {type(value).__name__}")
-    if params and legacy and {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS} != dict(legacy):
-        raise ValueError("config has both 'rope_parameters' and 'rope_scaling' and they differ; keep one")
-    params = dict(params or legacy or {})
-    nested = [key for key, value in params.items() if isinstance(value, Mapping)]
+    nested = [key for key, value in (params or legacy or {}).items() if isinstance(value, Mapping)]
     if nested:
         raise ValueError(
             f"config['rope_parameters'] holds one dict per layer type {nested}; build one RotaryEmbedding per "
             "layer type from a config whose rope_parameters is that layer type's dict"
         )
+    mrope = False
+    if params or legacy:
+        (params, mrope_params), (legacy, mrope_legacy) = (
+            standard_rope_parameters(p or {}, model_type) for p in (params, legacy)
+        )
+        mrope = mrope_params or mrope_legacy
+        # transformers writes rope_theta and partial_rotary_factor into rope_parameters: compare the rest
+        if (
+            params
+            and legacy
+            and {k: v for k, v in params.items() if k not in _CONFIG_ONLY_KEYS}
+            != {k: v for k, v in legacy.items() if k not in _CONFIG_ONLY_KEYS}
+        ):
+            raise ValueError("config has both 'rope_parameters' and 'rope_scaling' and they differ; keep one")
+        params = {**legacy, **params}
+    params = dict(params or {})
     if config.get("head_dim") is not None:
         head_dim = check_int(config["head_dim"], "config['head_dim']", minimum=2)
     else:
@@ -91,16 +167,13 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
     theta = _config_value(config, params, "rope_theta")
     theta = 10000.0 if theta is None else check_positive_float(theta, "config['rope_theta']")
     partial = _config_value(config, params, "partial_rotary_factor")
+    if partial is None and isinstance(model_type, str):
+        partial = MODEL_DEFAULTS.get(model_type, {}).get("partial_rotary_factor")
     max_positions = config.get("max_position_embeddings")
     if max_positions is not None:
         max_positions = check_int(max_positions, "config['max_position_embeddings']", minimum=1)
-    dropped = set(_CONFIG_ONLY_KEYS) | key_names(ignore_keys, "ignore_keys")
+    dropped = set(_CONFIG_ONLY_KEYS) | key_names(ignore_keys, "ignore_keys") | (set(MROPE_KEYS) if mrope else set())
     scaling = {k: v for k, v in params.items() if k not in dropped}
-    if scaling and "rope_type" not in scaling and "type" not in scaling:
-        scaling["rope_type"] = "default"
-    if "type" in scaling and "rope_type" in scaling:
-        rope_type_of(scaling)  # they must agree
-        del scaling["type"]
     rope_type = rope_type_of(scaling) if scaling else "default"
     if rope_type == "proportional":
         # transformers' proportional RoPE spans the whole head and reads the fraction from its dict

@@ -62,12 +62,16 @@ def single_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> O
 
 
 def _layer_overrides(config: dict[str, Any], layer_type: str) -> dict[str, Any]:
-    """The ``per_layer_config`` entries (keyed by layer index) of the first layer of ``layer_type`` (Gemma 4's
-    ``head_dim`` of its global layers), or ``{}``."""
-    per_layer = config.get("per_layer_config") or {}
+    """The ``per_layer_config`` entry (keyed by layer index: ``5``, ``"5"`` or ``"05"``) of the first layer of
+    ``layer_type`` (Gemma 4's ``head_dim`` of its global layers), or ``{}``."""
+    per_layer = config.get("per_layer_config")
     index = list(config.get("layer_types") or ()).index(layer_type)
-    overrides = per_layer.get(str(index), per_layer.get(index)) if isinstance(per_layer, dict) else None
-    return dict(overrides) if isinstance(overrides, dict) else {}
+    if not isinstance(per_layer, dict):
+        return {}
+    for key, overrides in per_layer.items():
+        if str(key).isdigit() and int(key) == index and isinstance(overrides, dict):
+            return dict(overrides)
+    return {}
 
 
 def per_layer_type_options(config: dict[str, Any], ignore_keys: Iterable[str] = ()) -> Options:
