@@ -8,7 +8,9 @@
 # 3. every notebook through nbmake on the GPU (the chapters pick larger problems there);
 # 4. python -m ropelib.bench at the GPU target shapes in bfloat16, forward and forward+backward,
 #    with the decode-shape and model-step rows, liger-kernel and torch.compile as peers;
-# 5. python -m ropelib.lab --large, with whatever time is left of the 8 minutes.
+# 5. python -m ropelib.bench --kv-write: the rotation fused with the paged KV-cache write (Triton)
+#    against rotary_qk + index_copy_, at the GPU decode and prefill shapes, float32 and bfloat16;
+# 6. python -m ropelib.lab --large, with whatever time is left of the 8 minutes.
 # It writes JSON records with provenance (device, versions, date, command, each step's status and
 # seconds) into OUTDIR. A step that fails is recorded and the next one still runs.
 #
@@ -39,8 +41,10 @@ if [[ $smoke != 1 ]]; then
   python3 -c "import torch; assert torch.cuda.is_available()" ||
     { echo "no CUDA device: this script is for a GPU machine (GPU_CHECK_SMOKE=1 to try it anyway)" >&2; exit 1; }
   tests=(tests) notebooks=(book) bench=(--shapes 1,8192,32,8,128 4,4096,32,8,128 --dtypes bfloat16) lab=(--large)
+  kv_bench=(--kv-shapes decode:256,32,8,128,16 prefill:16384,32,8,128,16 --dtypes float32 bfloat16)
 else
   tests=(tests/test_main.py) notebooks=(book/why_position.ipynb) bench=(--quick --no-compile) lab=(--quick)
+  kv_bench=(--quick)
   unset TRITON_INTERPRET  # no GPU: let the Triton kernel run in the interpreter
 fi
 
@@ -67,6 +71,7 @@ step ropelib_check 60 python3 -m ropelib --check
 step tests 200 python3 -m pytest "${tests[@]}" -q -p no:cacheprovider --junitxml="$out/tests.xml"
 step notebooks 150 python3 -m pytest --nbmake "${notebooks[@]}" -q -p no:cacheprovider
 step bench 150 python3 -m ropelib.bench "${bench[@]}" --quiet --json "$out/bench_gpu_$stamp.json"
+step bench_kv_write 60 python3 -m ropelib.bench --kv-write "${kv_bench[@]}" --quiet --json "$out/bench_kv_write_gpu_$stamp.json"
 step lab 360 python3 -m ropelib.lab "${lab[@]}" --json "$out/lab_gpu_$stamp.json"
 
 python3 - "$out" "$steps_json" "$stamp" <<'PY'

@@ -4,8 +4,9 @@ Run ``python -m ropelib.bench --help``. Every argument is checked before any wor
 rows: every implementation at each configuration (:mod:`ropelib.bench.rope`), with its true roof
 (an in-place scale ``x.mul_(c)`` of q and k for in-place rows, a fresh ``torch.mul(x, c)`` for the
 others) timed in the same rounds; a decode-shape row and a patched-vs-unpatched model step
-(:mod:`ropelib.bench.decode`); ``--bias`` for relative-bias attention (:mod:`ropelib.bench.bias`).
-``--quick`` runs small shapes in under a minute.
+(:mod:`ropelib.bench.decode`); ``--bias`` for relative-bias attention (:mod:`ropelib.bench.bias`);
+``--kv-write`` instead times the rotation fused with the KV-cache write against the two-step path
+(:mod:`ropelib.bench.kv_write`). ``--quick`` runs small shapes in under a minute.
 
 The environment is recorded, never changed: on a small CPU, ``OMP_WAIT_POLICY=PASSIVE`` (idle
 OpenMP threads sleep instead of spinning; ``torch.compile``'s kernels bring their own OpenMP
@@ -31,6 +32,7 @@ import torch
 
 from .._device import device_name
 from ..layouts import LAYOUTS
+from .kv_write import KINDS, KV_ROOF, format_kv_table, kv_write_rows
 from .rope import (
     CPU_SHAPE,
     DTYPES,
@@ -65,6 +67,27 @@ def parse_shape(text: str) -> tuple[int, int, int, int, int]:
     return values  # type: ignore[return-value]
 
 
+#: ``--kv-write --quick``: a decoding step of 16 sequences, small heads.
+QUICK_KV_SHAPE = ("decode", (16, 8, 2, 64, 16))
+
+
+def parse_kv_shape(text: str) -> tuple[str, tuple[int, int, int, int, int]]:
+    """``"decode:64,32,8,128,16"`` -> ``("decode", (tokens, q_heads, kv_heads, head_dim, block_size))``."""
+    kind, _, sizes = text.partition(":")
+    parts = sizes.split(",")
+    if kind not in KINDS or len(parts) != 5:
+        raise argparse.ArgumentTypeError(
+            f"a KV-write shape is decode|prefill:tokens,q_heads,kv_heads,head_dim,block_size, got {text!r}"
+        )
+    try:
+        values = tuple(int(p) for p in parts)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"KV-write shape entries must be integers, got {text!r}") from exc
+    if min(values) < 1 or values[3] % 2:
+        raise argparse.ArgumentTypeError(f"need positive sizes and an even head_dim, got {text!r}")
+    return kind, values  # type: ignore[return-value]
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m ropelib.bench", description=__doc__.split("\n\n")[0])
     parser.add_argument(
@@ -88,6 +111,17 @@ def build_parser() -> argparse.ArgumentParser:
         "--bias", action="store_true", help="also time relative-bias attention (materialized vs flex_attention)"
     )
     parser.add_argument("--bias-shape", type=int, nargs=4, metavar=("B", "H", "N", "D"), default=None)
+    parser.add_argument(
+        "--kv-write",
+        action="store_true",
+        help="time the rotation fused with the KV-cache write against rotary_qk + index_copy_ (only that)",
+    )
+    parser.add_argument(
+        "--kv-shapes",
+        type=parse_kv_shape,
+        nargs="+",
+        help="with --kv-write: decode|prefill:tokens,q_heads,kv_heads,head_dim,block_size (default: the device's)",
+    )
     parser.add_argument("--quick", action="store_true", help=f"small shapes ({QUICK_SHAPE}), 3 rounds: under a minute")
     parser.add_argument(
         "--json", dest="json_path", default=None, help="write the results (with provenance) to this file"
@@ -118,7 +152,10 @@ def _checked_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch
         folder = Path(args.json_path).resolve().parent
         if not folder.is_dir() or not os.access(folder, os.W_OK):
             parser.error(f"--json {args.json_path}: the folder {folder} does not exist or is not writable")
+    if args.kv_shapes and not args.kv_write:
+        parser.error("--kv-shapes needs --kv-write")
     if args.quick:
+        args.kv_shapes = args.kv_shapes or ([QUICK_KV_SHAPE] if args.kv_write else None)
         args.shapes = args.shapes or [QUICK_SHAPE]
         args.reps, args.warmup = min(args.reps, 3), min(args.warmup, 1)
     return args, device
@@ -168,9 +205,37 @@ def _median_roof(results: Sequence[Result], roof: str) -> float:
     return statistics.median(r.gbs for r in results if r.impl == roof)
 
 
+def _write_json(document: dict[str, Any], path: str | None) -> None:
+    if path:
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(document, f, indent=1)
+        print(f"\nwrote {path}")
+
+
+def kv_write_main(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """``--kv-write``: the fused write and the two-step path at serving shapes (:mod:`ropelib.bench.kv_write`)."""
+    dtypes = [DTYPES[d] for d in (args.dtypes or ["float32", "bfloat16"])]
+    rows = kv_write_rows(
+        device, shapes=args.kv_shapes, dtypes=dtypes, layouts=args.layouts, reps=args.reps, warmup=args.warmup
+    )
+    print(format_kv_table(rows))
+    document: dict[str, Any] = {
+        **environment(device),
+        "benchmark": "kv_write",
+        "roof": KV_ROOF,
+        "reps": args.reps,
+        "warmup": args.warmup,
+        "results": rows,
+    }
+    _write_json(document, args.json_path)
+    return document
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """Run the benchmark; print a table; write ``--json`` if asked. Returns the JSON document."""
     args, device = _checked_args(argv)
+    if args.kv_write:
+        return kv_write_main(args, device)
     shapes = args.shapes or ([GPU_SHAPE] if device.type == "cuda" else [CPU_SHAPE, PREFILL_SHAPE])
     dtypes = [DTYPES[d] for d in (args.dtypes or (["bfloat16"] if device.type == "cuda" else ["float32"]))]
     configs = [(s, d, lay, m) for s in shapes for d in dtypes for lay in args.layouts for m in args.modes]
@@ -227,8 +292,5 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         document["bias"] = benchmark_bias(device, shape=args.bias_shape, reps=args.reps, warmup=args.warmup)
         for row in document["bias"]:
             print(f"bias {row['bias']:<6}{row['method']:<14}{row['median_ms']:>10.3f} ms  shape={row['shape']}")
-    if args.json_path:
-        with open(args.json_path, "w", encoding="utf-8") as f:
-            json.dump(document, f, indent=1)
-        print(f"\nwrote {args.json_path}")
+    _write_json(document, args.json_path)
     return document
