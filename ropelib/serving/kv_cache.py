@@ -50,15 +50,17 @@ def _share_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
     return overlap(a, b)
 
 
-def _check_caches(k_cache: object, v_cache: object, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+def _check_caches(k_cache: object, v_cache: object, k: torch.Tensor, v: torch.Tensor) -> list[torch.Tensor]:
     """Key and value caches for ``k``/``v`` ``[B, S, Hk, D]``, as ``[num_blocks, block_size, Hk, D]`` views."""
-    caches = []
+    caches, shapes = [], []
     for name, cache, x in (("k_cache", k_cache, k), ("v_cache", v_cache, v)):
         cache = check_float_tensor(cache, name)
-        expected = f"[num_slots, {x.shape[2]}, {x.shape[3]}] or [num_blocks, block_size, {x.shape[2]}, {x.shape[3]}]"
+        shapes.append(tuple(cache.shape))
         if cache.ndim not in (3, 4) or cache.shape[-2:] != x.shape[2:]:
+            heads, dim = x.shape[2:]
             raise ValueError(
-                f"{name} must have shape {expected} (heads and head_dim of {name[0]}), got {tuple(cache.shape)}"
+                f"{name} must have shape [num_slots, {heads}, {dim}] or [num_blocks, block_size, {heads}, {dim}] "
+                f"(heads and head_dim of {name[0]}), got {tuple(cache.shape)}"
             )
         if cache.dtype != x.dtype or cache.device != x.device:
             raise ValueError(
@@ -68,28 +70,29 @@ def _check_caches(k_cache: object, v_cache: object, k: torch.Tensor, v: torch.Te
             raise ValueError(f"{name} must have unit stride on head_dim (it is written in place), got {cache.stride()}")
         if cache.requires_grad:
             raise ValueError(f"{name} must not require grad: the write is inference-only")
-        if storage_visible(cache) and self_overlaps(cache):
+        if not cache.is_contiguous() and storage_visible(cache) and self_overlaps(cache):
             raise ValueError(
                 f"{name}'s elements must not share memory (it is written in place), strides {cache.stride()}"
             )
         caches.append(cache if cache.ndim == 4 else cache.unsqueeze(0))
     if caches[0].shape[:2] != caches[1].shape[:2]:
         raise ValueError(
-            "k_cache and v_cache must have the same slots (leading dimensions), got "
-            f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
+            f"k_cache and v_cache must have the same slots (leading dimensions), got {shapes[0]} and {shapes[1]}"
         )
-    if storage_visible(caches[0]) and storage_visible(caches[1]) and _share_elements(*caches):
+    return caches
+
+
+def _check_no_aliasing(inputs: dict[str, torch.Tensor], caches: list[torch.Tensor]) -> None:
+    """The caches must not share memory with each other, nor with q, k or v, which the same pass reads."""
+    caches = [c for c in caches if storage_visible(c)]  # none under compile or vmap: nothing to compare
+    if not caches:
+        return
+    if len(caches) == 2 and _share_elements(*caches):
         raise ValueError("k_cache and v_cache must not share memory: each would overwrite the other")
-    return tuple(caches)
-
-
-def _check_no_aliasing(inputs: dict[str, torch.Tensor], caches: tuple[torch.Tensor, ...]) -> None:
-    """The caches written must not overlap q, k or v, which the same pass reads."""
-    written = {c.untyped_storage().data_ptr() for c in caches if storage_visible(c)}
+    written = {c.untyped_storage().data_ptr() for c in caches}
     for name, x in inputs.items():
-        if storage_visible(x) and x.untyped_storage().data_ptr() in written:
-            if any(overlap(x, c) for c in caches):
-                raise ValueError(f"{name} overlaps a cache it is written into; pass {name}.clone()")
+        if storage_visible(x) and x.untyped_storage().data_ptr() in written and any(overlap(x, c) for c in caches):
+            raise ValueError(f"{name} overlaps a cache it is written into; pass {name}.clone()")
 
 
 def rotary_kv_cache_write(
