@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any
 
 from torch import nn
@@ -286,6 +287,15 @@ FAMILIES: tuple[Family, ...] = (
     QWEN2_VL,
     QWEN3_VL,
     LLAMA_TEMPLATE,
+)
+
+
+#: Model types whose RoPE the patch refuses, with the reason (checked before the probes, which refuse the rest).
+REFUSED: MappingProxyType[str, str] = MappingProxyType(
+    {
+        "nanochat": "its rotate_half flips the signs: it rotates by the negative angle, which no family applies",
+        "deepseek_v4": "its RoPE settings are per compressed-attention kind (_rope_type_labels), not per layer type",
+    }
 )
 
 

@@ -33,7 +33,7 @@ from torch import nn
 from ..._validation import check_choice
 from ...kernels.registry import KERNEL_CHOICES
 from .apply import RopelibApply
-from .families import FAMILIES, Family, family_of
+from .families import FAMILIES, REFUSED, Family, family_of
 from .module import HFRotaryEmbedding, config_dict
 from .probes import probe_apply, probe_tables
 
@@ -171,6 +171,9 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
             "and inv_freq) to replace"
         )
     for name, original, _ in targets:
+        model_type = getattr(getattr(original, "config", None), "model_type", None)
+        if model_type in REFUSED:
+            raise ValueError(f"model's {name} is a {model_type!r} rotary module, not patched: {REFUSED[model_type]}")
         if any(buffer.is_meta for buffer in original.buffers()):
             raise ValueError(
                 f"model's {name} is on the meta device (no values to compare with); materialise the model "
