@@ -172,7 +172,7 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
         )
     for name, original, _ in targets:
         model_type = getattr(getattr(original, "config", None), "model_type", None)
-        if model_type in REFUSED:
+        if isinstance(model_type, str) and model_type in REFUSED:
             raise ValueError(f"model's {name} is a {model_type!r} rotary module, not patched: {REFUSED[model_type]}")
         if any(buffer.is_meta for buffer in original.buffers()):
             raise ValueError(
