@@ -64,7 +64,8 @@ def rerotate_keys(
             rotated by ``rope`` (its layout and ``rotary_dim``; the rest of each head is kept).
         shift: an int (any sign) for every token, or an integer tensor ``[seq]``, ``[1, seq]`` or
             ``[batch, seq]`` of per-token shifts. The angles ``shift * f`` are formed in float64.
-        rope: the :class:`~ropelib.RotaryEmbedding` that rotated the keys.
+        rope: the :class:`~ropelib.RotaryEmbedding` that rotated the keys; its frequencies in use
+            now (a length-following scaling's may have changed since: see the module docstring).
         inplace: overwrite ``keys`` (a view of a cache, say) and return it.
         tensor_format: ``"bshd"`` or ``"sbhd"``, as for :func:`~ropelib.rotary_qk`.
 
@@ -92,7 +93,10 @@ def rerotate_keys(
     no_queries = view.new_empty((*view.shape[:2], 0, view.shape[3]))
     kernel = check_kernel(rope.kernel, keys.device, keys.dtype)
     if inplace:
-        check_inplace(no_queries, view)
+        try:
+            check_inplace(no_queries, view)
+        except ValueError as error:  # its messages call the tensor k
+            raise ValueError(f"keys (k below): {error}") from None
     _, moved = rotate(
         no_queries, view, cos, sin, rows, interleaved=rope.layout == "interleaved", kernel=kernel, inplace=inplace
     )
