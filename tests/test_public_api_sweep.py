@@ -111,6 +111,73 @@ def cache_rows_by_hand(tables: Any) -> bool:
 EXPANDED_K = torch.randn(1, 4, 1, 8).expand(1, 4, 2, 8)
 STRIDED_Q = torch.randn(1, 4, 8, 8)[:, :, ::4]  # [1, 4, 2, 8], head stride 32
 
+SERVING_CACHE = rl.make_cos_sin_cache(ROPE, 16)
+SLOTS = torch.tensor([5, -1, 0, 2])  # block 1 row 1, padding, block 0 rows 0 and 2 of [2, 4, ...] caches
+
+
+def rotated_in_place(call: Callable[[torch.Tensor], Any]) -> tuple[Any, torch.Tensor]:
+    """``(result, buffer)`` of an in-place call on a fresh copy of ``Q`` laid out ``[tokens, heads, d]``."""
+    buffer = Q[0].clone()
+    return call(buffer), buffer
+
+
+def kv_written() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    caches = torch.zeros(2, 2, 4, 1, 8)
+    with torch.no_grad():
+        q_rot = rl.rotary_kv_cache_write(
+            Q[0], K[0], K[0] * 2, caches[0], caches[1], SLOTS, COS, SIN, torch.tensor([3, 1, 4, 1])
+        )
+    return q_rot, caches[0], caches[1]
+
+
+def kv_cache_as_two_steps(r: tuple[torch.Tensor, torch.Tensor, torch.Tensor]) -> bool:
+    """The fused write against the reference rotation and the slots by hand (rows 1.1, 0.0, 0.2; -1 skipped)."""
+    q_rot, k_cache, v_cache = r
+    positions = torch.tensor([3, 1, 4, 1])
+    k_rot = rotated(K, positions)[0]
+    written = [(1, 1, 0), (0, 0, 2), (0, 2, 3)]  # (block, row, token)
+    return (
+        close(q_rot, rotated(Q, positions)[0])
+        and all(close(k_cache[b, r], k_rot[t]) and torch.equal(v_cache[b, r], K[0, t] * 2) for b, r, t in written)
+        and int((k_cache.abs().sum(-1) > 0).sum()) == 3  # nothing written for the padding token
+    )
+
+
+@dataclass(frozen=True)
+class CosSin:
+    """The halves of a ``cos_sin_cache`` as :func:`cache_rows_by_hand` reads tables."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+
+    @property
+    def length(self) -> int:
+        return self.cos.shape[0]
+
+
+def packed_rotated() -> tuple[torch.Tensor, torch.Tensor]:
+    """A packed ``[1, 4, 2 + 2 * 1, 8]`` buffer (q = Q, k = K, a v head) after ``rotary_qkv_``, and v before."""
+    qkv = torch.cat([Q, K, torch.randn(1, 4, 1, 8)], 2)
+    v = qkv[:, :, 3:].clone()
+    return rl.rotary_qkv_(qkv, COS, SIN, num_heads_q=2), v
+
+
+def sink_stream(steps: int) -> rl.SinkCache:
+    """A sink cache (1 sink, a window of 2) fed ``steps`` tokens whose unrotated keys are ``X[0, t]``."""
+    cache = rl.SinkCache(ROPE, sink=1, window=2)
+    for t in range(steps):
+        k = X[0, t % 4].view(1, 1, 1, 8).double()
+        _, k_rot = ROPE(k, k, cache.make_room(1))
+        cache.append(k_rot, k)
+    return cache
+
+
+def sink_holds_tokens_re_encoded(cache: rl.SinkCache) -> bool:
+    """Tokens 0, 4 and 5 of 6 kept (keys X[0, 0], X[0, 0], X[0, 1]), encoded at cache positions 0, 1, 2."""
+    kept = X[0, [0, 0, 1]].view(1, 3, 1, 8)
+    return (cache.length, cache.evicted) == (3, 3) and close(cache.keys, rotated(kept, torch.arange(3)), tol=1e-12)
+
+
 CASES: list[Case] = [
     # ---- RotaryEmbedding
     raises("RotaryEmbedding", TypeError, "head_dim must be an int", lambda: rl.RotaryEmbedding(8.0)),
@@ -987,6 +1054,170 @@ CASES: list[Case] = [
     ),
     gives("default_device", lambda r: r.type in ("cpu", "cuda"), rl.default_device),
     gives("device_name", lambda r: isinstance(r, str) and "threads" in r, lambda: rl.device_name("cpu")),
+    # ---- serving: the engines' cos_sin_cache, packed QKV, the fused cache write, moved keys, sink cache
+    raises(
+        "make_cos_sin_cache", TypeError, "rope must be a ropelib.RotaryEmbedding", lambda: rl.make_cos_sin_cache(8, 16)
+    ),
+    raises("make_cos_sin_cache", ValueError, "max_positions must be >= 1", lambda: rl.make_cos_sin_cache(ROPE, 0)),
+    gives(
+        "make_cos_sin_cache",  # cat(cos, sin) of the rows by hand
+        lambda r: r.shape == (10, 8) and cache_rows_by_hand(CosSin(r[:, :4], r[:, 4:])),
+        lambda: rl.make_cos_sin_cache(ROPE, 10),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache",
+        TypeError,
+        "cos_sin_cache must be torch.float32",
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.arange(4), Q[0], K[0], 8, SERVING_CACHE.half()),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache",
+        ValueError,
+        "positions must be < 16",
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.tensor([0, 1, 2, 16]), Q[0], K[0], 8, SERVING_CACHE),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache",
+        ValueError,
+        "query's last dimension must be a multiple of head_size=8",
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.arange(4), torch.randn(4, 12), None, 8, SERVING_CACHE),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache",
+        ValueError,
+        r"key must be \[4, heads \* head_size\]",
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.arange(4), Q[0], K[0, :3], 8, SERVING_CACHE),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache",
+        TypeError,
+        "is_neox must be a bool",
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.arange(4), Q[0], K[0], 8, SERVING_CACHE, "neox"),
+    ),
+    gives(
+        "apply_rope_with_cos_sin_cache",  # flattened [tokens, heads * head_size], positions in any order
+        lambda r: close(r[0].view(4, 2, 8), rotated(Q, torch.tensor([3, 1, 4, 1]))[0]) and r[1] is None,
+        lambda: rl.apply_rope_with_cos_sin_cache(
+            torch.tensor([3, 1, 4, 1]), Q[0].reshape(4, 16), None, 8, SERVING_CACHE
+        ),
+    ),
+    gives(
+        "apply_rope_with_cos_sin_cache",  # GPT-J pairs
+        lambda r: close(r[1], rotated(K, torch.tensor([9, 0, 2, 15]), "interleaved")[0]),
+        lambda: rl.apply_rope_with_cos_sin_cache(torch.tensor([9, 0, 2, 15]), Q[0], K[0], 8, SERVING_CACHE, False),
+    ),
+    gives(
+        "apply_rope_with_cos_sin_cache",
+        shapes((0, 2, 8), (0, 1, 8)),
+        lambda: rl.apply_rope_with_cos_sin_cache(
+            torch.zeros(0, dtype=torch.long), Q[0, :0], K[0, :0], 8, SERVING_CACHE
+        ),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache_inplace",
+        ValueError,
+        "separate memory",
+        lambda: (lambda t: rl.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), t, t, 8, SERVING_CACHE))(
+            Q[0].clone()
+        ),
+    ),
+    raises(
+        "apply_rope_with_cos_sin_cache_inplace",
+        ValueError,
+        "head_size must be >= 2",
+        lambda: rl.apply_rope_with_cos_sin_cache_inplace(torch.arange(4), Q[0].clone(), None, 0, SERVING_CACHE),
+    ),
+    gives(
+        "apply_rope_with_cos_sin_cache_inplace",
+        lambda r: r[0] is None and close(r[1], rotated(Q, torch.tensor([3, 1, 4, 1]))[0]),
+        lambda: rotated_in_place(
+            lambda t: rl.apply_rope_with_cos_sin_cache_inplace(torch.tensor([3, 1, 4, 1]), t, None, 8, SERVING_CACHE)
+        ),
+    ),
+    raises(
+        "rotary_qkv_",
+        ValueError,
+        "needs num_heads_q",
+        lambda: rl.rotary_qkv_(torch.randn(1, 4, 4, 8), COS, SIN),
+    ),
+    raises(
+        "rotary_qkv_",
+        ValueError,
+        "minus num_heads_q=3 must be 2 Hk",
+        lambda: rl.rotary_qkv_(torch.randn(1, 4, 6, 8), COS, SIN, num_heads_q=3),
+    ),
+    raises(
+        "rotary_qkv_",
+        ValueError,
+        "leaf tensor that requires grad",
+        lambda: rl.rotary_qkv_(torch.randn(1, 4, 3, 2, 8, requires_grad=True), COS, SIN),
+    ),
+    gives(
+        "rotary_qkv_",  # q heads 0-1, k head 2 rotated; v head 3 kept
+        lambda r: (
+            close(r[0][:, :, :2], rotated(Q, torch.arange(4)))
+            and close(r[0][:, :, 2:3], rotated(K, torch.arange(4)))
+            and torch.equal(r[0][:, :, 3:], r[1])
+        ),
+        packed_rotated,
+    ),
+    raises(
+        "rotary_kv_cache_write",
+        ValueError,
+        r"slot_mapping must have shape \[tokens\] = \[4\]",
+        lambda: rl.rotary_kv_cache_write(
+            Q[0], K[0], K[0], torch.zeros(8, 1, 8), torch.zeros(8, 1, 8), SLOTS[:3], COS, SIN, torch.arange(4)
+        ),
+    ),
+    raises(
+        "rotary_kv_cache_write",
+        ValueError,
+        "inference-only",
+        lambda: rl.rotary_kv_cache_write(
+            Q[0].requires_grad_(False).clone().requires_grad_(),
+            K[0],
+            K[0],
+            torch.zeros(8, 1, 8),
+            torch.zeros(8, 1, 8),
+            SLOTS,
+            COS,
+            SIN,
+            torch.arange(4),
+        ),
+    ),
+    gives("rotary_kv_cache_write", kv_cache_as_two_steps, kv_written),
+    raises(
+        "rerotate_keys",
+        TypeError,
+        "shift must be an int or an integer tensor",
+        lambda: rl.rerotate_keys(K, 1.0, rope=ROPE),
+    ),
+    raises(
+        "rerotate_keys", ValueError, "keys must have head_dim=8", lambda: rl.rerotate_keys(K[..., :6], 1, rope=ROPE)
+    ),
+    raises(
+        "rerotate_keys",
+        ValueError,
+        r"shift must have shape \[4\]",
+        lambda: rl.rerotate_keys(K, torch.arange(3), rope=ROPE),
+    ),
+    gives(
+        "rerotate_keys",  # R(-3) R(5) = R(2), to float32 rounding of two rotations
+        lambda r: close(r, rotated(K, torch.arange(2, 6))),
+        lambda: rl.rerotate_keys(ROPE(K, K, torch.arange(5, 9))[1], -3, rope=ROPE),
+    ),
+    gives(
+        "rerotate_keys",  # per-token shifts, negative results allowed: R(-p) R(p) = identity
+        lambda r: close(r, K),
+        lambda: rl.rerotate_keys(ROPE(K, K, torch.tensor([3, 1, 4, 1]))[1], -torch.tensor([3, 1, 4, 1]), rope=ROPE),
+    ),
+    raises(
+        "SinkCache", TypeError, "rope must be a ropelib.RotaryEmbedding", lambda: rl.SinkCache(None, sink=1, window=2)
+    ),
+    raises("SinkCache", ValueError, "window must be >= 1", lambda: rl.SinkCache(ROPE, sink=1, window=0)),
+    raises("SinkCache", ValueError, "tokens must be <= 2", lambda: rl.SinkCache(ROPE, sink=4, window=2).make_room(3)),
+    raises("SinkCache", ValueError, "the cache is empty", lambda: rl.SinkCache(ROPE, sink=1, window=2).values),
+    gives("SinkCache", sink_holds_tokens_re_encoded, lambda: sink_stream(6)),
 ]
 
 
