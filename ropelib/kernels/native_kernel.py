@@ -212,9 +212,13 @@ def _verify_kv_write(library: Library, dtype: torch.dtype, generator: torch.Gene
     slots = torch.tensor([[7, -1, 0, 4, 9]])
     outs = []
     for write in (torch_kernel.write_kv, functools.partial(_write_kv, library)):
-        q_out, caches = torch.empty_like(q), [torch.zeros(3, 4, 1, 14, dtype=dtype) for _ in range(2)]
-        write(q, k, v, q_out, *caches, slots, cos, sin, positions, interleaved=False)
-        outs.append((q_out, *caches))
+        q_out, k_cache, v_cache = (
+            torch.empty_like(q),
+            torch.zeros(3, 4, 1, 14, dtype=dtype),
+            torch.zeros(3, 4, 1, 14, dtype=dtype),
+        )
+        write(q, k, v, q_out, k_cache, v_cache, slots, cos, sin, positions, interleaved=False)
+        outs.append((q_out, k_cache, v_cache))
     return all(torch.equal(a, b) for a, b in zip(*outs))
 
 
