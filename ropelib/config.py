@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Iterable, Mapping
+from types import MappingProxyType
 from typing import Any
 
 from ._validation import check_int, check_positive_float
@@ -16,17 +17,23 @@ _CONFIG_ONLY_KEYS = ("rope_theta", "partial_rotary_factor")
 #: Names of ``type`` that ``transformers`` configs rename, beside the ``rope_type`` they become:
 #: Qwen2-VL / Qwen2.5-VL's ``"mrope"`` (default frequencies, pairs split by ``mrope_section``) and
 #: Phi-3's ``"su"`` and ``"yarn"`` (LongRoPE, by its earlier names; ``"yarn"`` so only in Phi-3).
-LEGACY_TYPES: Mapping[tuple[str | None, str], str] = {
-    (None, "mrope"): "default",
-    (None, "su"): "longrope",
-    ("phi3", "yarn"): "longrope",
-}
+LEGACY_TYPES: Mapping[tuple[str | None, str], str] = MappingProxyType(
+    {
+        (None, "mrope"): "default",
+        (None, "su"): "longrope",
+        ("phi3", "yarn"): "longrope",
+    }
+)
 #: The keys of M-RoPE's parameters, read by :class:`~ropelib.MRotaryEmbedding` rather than the scaling.
 MROPE_KEYS = ("mrope_section", "mrope_interleaved")
 #: Top-level keys of older ``config.json`` files that ``transformers`` reads as RoPE keys (GPT-NeoX).
-LEGACY_KEYS = {"rotary_emb_base": "rope_theta", "rotary_pct": "partial_rotary_factor"}
+LEGACY_KEYS: Mapping[str, str] = MappingProxyType(
+    {"rotary_emb_base": "rope_theta", "rotary_pct": "partial_rotary_factor"}
+)
 #: Defaults ``transformers`` gives a model type where its config has none (GPT-NeoX rotates a quarter).
-MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = {"gpt_neox": {"partial_rotary_factor": 0.25}}
+MODEL_DEFAULTS: Mapping[str, Mapping[str, Any]] = MappingProxyType(
+    {"gpt_neox": MappingProxyType({"partial_rotary_factor": 0.25})}
+)
 
 
 def _warn(message: str) -> None:
