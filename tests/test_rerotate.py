@@ -85,6 +85,19 @@ def test_float64_equals_encoding_at_the_new_positions(layout: str, rotary_dim: i
 
 @KERNEL
 @LAYOUT
+def test_partial_rotary_with_each_kernel(kernel: str, layout: str) -> None:
+    # the tail of each head must come through an out-of-place move on every kernel
+    rope = RotaryEmbedding(HEAD_DIM, rotary_dim=10, layout=layout, kernel=kernel)
+    k = keys()
+    cached = rotate_ref(k, POSITIONS, layout=layout, rotary_dim=10)
+    moved = rerotate_keys(cached, SHIFTS, rope=rope)
+    want = rotate_ref(k, POSITIONS + SHIFTS, layout=layout, rotary_dim=10)
+    assert (moved - want).abs().max() <= F64_TOL * k.abs().max()
+    assert torch.equal(moved[..., 10:], cached[..., 10:])
+
+
+@KERNEL
+@LAYOUT
 def test_float32_within_three_rotations_of_rounding(kernel: str, layout: str) -> None:
     rope = RotaryEmbedding(HEAD_DIM, layout=layout, kernel=kernel)
     k = keys(torch.float32)

@@ -90,15 +90,16 @@ def rerotate_keys(
     check_bool(inplace, "inplace")
     view = keys.transpose(0, 1) if seq_first else keys
     cos, sin, rows = _shift_rows(shift, rope, view)
-    no_queries = view.new_empty((*view.shape[:2], 0, view.shape[3]))
+    # the keys go in q's place: the kernels tell an in-place call by q's storage, which an empty q lacks
+    no_keys = view.new_empty((*view.shape[:2], 0, view.shape[3]))
     kernel = check_kernel(rope.kernel, keys.device, keys.dtype)
     if inplace:
         try:
-            check_inplace(no_queries, view)
-        except ValueError as error:  # its messages call the tensor k
-            raise ValueError(f"keys (k below): {error}") from None
-    _, moved = rotate(
-        no_queries, view, cos, sin, rows, interleaved=rope.layout == "interleaved", kernel=kernel, inplace=inplace
+            check_inplace(view, no_keys)
+        except ValueError as error:  # its messages call the tensor q
+            raise ValueError(f"keys (q below): {error}") from None
+    moved, _ = rotate(
+        view, no_keys, cos, sin, rows, interleaved=rope.layout == "interleaved", kernel=kernel, inplace=inplace
     )
     if inplace:
         return keys
