@@ -361,3 +361,21 @@ def test_few_token_rows_of_inference_tables() -> None:
     position = torch.tensor([[7]])
     for _ in range(2):
         check(rotary_qk(q, k, cos, sin, position, kernel="torch")[0], rotate_ref(q, position, theta=THETA), q)
+
+
+@KERNEL
+@pytest.mark.parametrize("empty", ["q", "k"])
+def test_a_tensor_with_no_heads_leaves_the_other_out_of_place(kernel: str, empty: str) -> None:
+    # An empty q (or k) and its fresh output share address 0: the kernel must not take the call for an
+    # in-place one and skip the copy of the other tensor's unrotated features (rotary_dim < head_dim).
+    positions = torch.arange(5)
+    cos, sin = RotaryEmbedding(16, rotary_dim=10).cos_sin_cache(8)
+    full = torch.randn(2, 5, 3, 16, generator=torch.Generator().manual_seed(4))
+    none = full[:, :, :0]
+    q, k = (none, full) if empty == "q" else (full, none)
+    q_out, k_out = rotary_qk(q, k, cos, sin, positions, kernel=kernel)
+    rotated = q_out if empty == "k" else k_out
+    want = rotate_ref(full, positions, rotary_dim=10)
+    # float32 rotation of values ~3: a few float32 ulps; the tail (features 10..15) is a copy, exact
+    assert torch.allclose(rotated.double(), want, rtol=0, atol=8 * EPS[torch.float32] * full.abs().max().item())
+    assert torch.equal(rotated[..., 10:], full[..., 10:])

@@ -41,6 +41,16 @@ def overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a0 < b1 and b0 < a1
 
 
+def writes_in_place(q: torch.Tensor, k: torch.Tensor, q_out: torch.Tensor, k_out: torch.Tensor) -> bool:
+    """True when a kernel's outputs are its inputs (an in-place call), judged by a tensor that has elements.
+
+    An empty tensor and its fresh output both have address 0, so ``q`` with no heads says nothing:
+    ``k`` decides then. (Inside an operator's kernel, where the addresses are real.)
+    """
+    x, out = (q, q_out) if q.numel() else (k, k_out)
+    return out.data_ptr() == x.data_ptr()
+
+
 def self_overlaps(t: torch.Tensor) -> bool:
     """True when two elements of ``t`` may share memory (a stride 0, or strides that interleave).
 

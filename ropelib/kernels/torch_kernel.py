@@ -26,6 +26,8 @@ from collections.abc import Iterator
 
 import torch
 
+from .aliasing import writes_in_place
+
 #: The bytes of q and k in one block of tokens on a CPU, so that a block and its buffers stay in
 #: the last-level cache.
 BLOCK_BYTES = 4 << 20
@@ -164,7 +166,7 @@ def launch(
     if conjugate:
         sin_t = -sin_t
     head_dim = q.shape[-1]
-    in_place = q_out.data_ptr() == q.data_ptr()
+    in_place = writes_in_place(q, k, q_out, k_out)
     if q.numel() + k.numel() <= FEW_ELEMENTS and q.dtype == cos.dtype and 2 * r2 == head_dim:
         q_new, k_new = rotate_few(q, k, cos_t, sin_t, interleaved=interleaved)
         torch._foreach_copy_([q_out, k_out], [q_new, k_new])

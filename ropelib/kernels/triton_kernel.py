@@ -34,6 +34,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .aliasing import writes_in_place
+
 
 def use_interpreter() -> bool:
     """Whether the kernels run in Triton's interpreter: ``TRITON_INTERPRET`` if set, else when there is no CUDA."""
@@ -308,7 +310,7 @@ def launch(
         VARLEN=varlen,
         SEARCH_STEPS=max(1, (num_docs - 1).bit_length()) if varlen else 1,
         HAS_FREQ=frequencies is not None,
-        COPY_REST=rest > 0 and q_out.data_ptr() != q.data_ptr(),
+        COPY_REST=rest > 0 and not writes_in_place(q, k, q_out, k_out),
         num_warps=4,
         enable_fp_fusion=False,  # a c - b s as two roundings, as the PyTorch kernel
     )
