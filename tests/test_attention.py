@@ -9,6 +9,7 @@ written out by hand, Shaw's clipped tables by index arithmetic), and an explicit
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -338,3 +339,27 @@ def test_rope_attention_reads_no_tensor_value_off_the_cpu() -> None:
     with tensor_to_python_calls() as calls:
         module(x, positions)
     assert calls == []
+
+
+def test_a_plug_that_computes_the_logits_gives_the_layer_its_scores() -> None:
+    # The logits hook: a plug returning q k^T / sqrt(d) + ALiBi's bias itself must give ALiBi's layer output
+    # (computed by the layer from score_bias) to float64 rounding, in forward and in scores.
+    from ropelib.attention.plugs import PLUGS
+
+    class AlibiByLogits(PLUGS["alibi"]):  # type: ignore[misc,valid-type]
+        adds_bias = False
+        computes_logits = True
+
+        @staticmethod
+        def logits(attn: Any, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            bias = PLUGS["alibi"].score_bias(attn, q, positions)
+            return q @ k.transpose(-1, -2) / q.shape[-1] ** 0.5 + bias
+
+    torch.manual_seed(0)
+    attn = MultiHeadAttention(16, 4, "alibi", causal=True).double()
+    x = torch.randn(2, 7, 16, dtype=torch.float64)
+    want_out, want_scores = attn(x), attn.scores(x)
+    attn.plug = AlibiByLogits
+    assert torch.allclose(attn(x), want_out, rtol=0, atol=1e-12)
+    assert torch.equal(attn.scores(x).isinf(), want_scores.isinf())
+    assert torch.allclose(attn.scores(x).nan_to_num(0.0, 0.0, 0.0), want_scores.nan_to_num(0.0, 0.0, 0.0), atol=1e-12)

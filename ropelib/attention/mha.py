@@ -141,16 +141,23 @@ class MultiHeadAttention(nn.Module):
     def _arange(x: torch.Tensor) -> torch.Tensor:
         return torch.arange(x.shape[1], device=x.device)
 
+    def _logits(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``q_i . k_j / sqrt(d) + b_ij`` before the mask, or the scores the plug computes itself."""
+        if self.plug.computes_logits:
+            logits = self.plug.logits(self, q, k, positions)
+            assert logits is not None  # a plug that computes logits returns them
+            return logits
+        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
+        bias = self.plug.score_bias(self, q, positions)
+        return scores if bias is None else scores + bias
+
     def scores(self, x: torch.Tensor, positions: torch.Tensor | None = None) -> torch.Tensor:
         r"""Pre-softmax scores ``q_i . k_j / sqrt(d) + b_ij`` (masked entries ``-inf``), ``[batch, H, seq, seq]``."""
         x = self._check_input(x)
         positions = self._positions(x, positions)
         q, k, _ = self._project(x, positions)
         k = k.repeat_interleave(self.num_heads // self.num_kv_heads, dim=1)
-        scores = q @ k.transpose(-1, -2) / math.sqrt(self.head_dim)
-        bias = self.plug.score_bias(self, q, self._arange(x) if positions is None else positions)
-        if bias is not None:
-            scores = scores + bias
+        scores = self._logits(q, k, self._arange(x) if positions is None else positions)
         if self.causal:
             scores = scores.masked_fill(causal_mask(x.shape[1], x.device), float("-inf"))
         return scores
@@ -170,10 +177,18 @@ class MultiHeadAttention(nn.Module):
         q, k, v = self._project(x, positions, rotation)
         groups = self.num_heads // self.num_kv_heads
         k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-        if not self.plug.adds_bias:
+        if not (self.plug.adds_bias or self.plug.computes_logits):
             out = F.scaled_dot_product_attention(q, k, v, is_causal=self.causal)  # no bias, no value term
             return self.out_proj(out.transpose(1, 2).flatten(2))
         positions = self._arange(x) if positions is None else positions
+        if self.plug.computes_logits:
+            logits = self._logits(q, k, positions)
+            if self.causal:
+                logits = logits.masked_fill(causal_mask(x.shape[1], x.device), float("-inf"))
+            weights = logits.softmax(-1)
+            term = self.plug.value_term(self, weights, positions)
+            out = weights @ v if term is None else weights @ v + term
+            return self.out_proj(out.transpose(1, 2).flatten(2))
         bias = self.plug.score_bias(self, q, positions)
         if bias is not None and self.causal:
             bias = bias.masked_fill(causal_mask(x.shape[1], x.device), float("-inf"))

@@ -1,0 +1,27 @@
+r"""How each position encoding enters attention: one small protocol (:mod:`.base`), one class per encoding.
+
+:data:`PLUGS` maps the ``position`` argument of :class:`~ropelib.MultiHeadAttention` to its plug;
+a new encoding is one class, in the module of its family, and one entry here.
+"""
+
+from __future__ import annotations
+
+from types import MappingProxyType
+
+from .base import AttentionLayer, PositionPlug, relative_from_positions
+from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlug, T5Plug
+
+#: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
+PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
+    {
+        "none": PositionPlug,
+        "sinusoidal": SinusoidalPlug,
+        "learned": LearnedPlug,
+        "t5": T5Plug,
+        "alibi": AlibiPlug,
+        "shaw": ShawPlug,
+        "rope": RotaryPlug,
+    }
+)
+
+__all__ = ["PLUGS", "AttentionLayer", "PositionPlug", "relative_from_positions"]
