@@ -53,6 +53,7 @@ from .. import __version__
 from .._device import default_device, device_name
 from .._validation import check_choice, check_int
 from ..attention.mha import MultiHeadAttention
+from ..attention.plugs import PLUGS
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..encodings.relative import t5_relative_bucket
 from ..rotary import RotaryEmbedding, Rotation
@@ -60,7 +61,10 @@ from ..scaling import ROPE_SCALINGS
 from .stats import format_mean_std
 from .tasks import IGNORE, TASKS
 
-ENCODINGS = ("none", "sinusoidal", "learned", "t5", "alibi", "rope")
+#: The encodings of the book's first parts, then every other encoding :class:`~ropelib.MultiHeadAttention`
+#: takes (its :data:`~ropelib.attention.plugs.PLUGS`, with its default options), except Shaw's.
+CLASSIC_ENCODINGS = ("none", "sinusoidal", "learned", "t5", "alibi", "rope")
+ENCODINGS = CLASSIC_ENCODINGS + tuple(name for name in PLUGS if name not in (*CLASSIC_ENCODINGS, "shaw"))
 LABELS = {
     "none": "NoPE",
     "sinusoidal": "sinusoidal",
@@ -69,6 +73,13 @@ LABELS = {
     "alibi": "ALiBi",
     "rope": "RoPE",
 }
+
+
+def label_of(encoding: str) -> str:
+    """The name of an encoding in the lab's tables and figures (:data:`LABELS`, else its plug's label)."""
+    return LABELS.get(encoding) or PLUGS[encoding].label or encoding
+
+
 #: The registered scalings that can be built from a factor and the training length alone.
 TEST_TIME_SCALINGS = tuple(name for name, entry in ROPE_SCALINGS.items() if entry.for_factor is not None)
 #: The zero-shot rows: PI, YaRN, Llama 3, dynamic NTK (those of them registered with a ``for_factor``).
@@ -245,8 +256,7 @@ class TinyTransformer(nn.Module):
                 config.train_length,
                 config.embed_dim,
             )
-        relative = encoding in ("t5", "alibi", "rope")
-        in_attention = encoding if relative else "none"
+        in_attention = "none" if encoding in ("sinusoidal", "learned") else encoding
         # one rotary module for the model: one cache, one rotation a forward
         head_dim = config.embed_dim // config.num_heads
         self.rope = None
@@ -568,7 +578,7 @@ def _new_rows(config: LabConfig) -> dict[str, dict[str, Any]]:
     rows = {}
     for e in config.encodings:
         table_fits = [m for m in config.multiples if e != "learned" or m <= 1]  # the learned table has L rows
-        rows[e] = {**_new_row(LABELS[e], "trained", config, table_fits), "final_train_loss": [], "train_seconds": []}
+        rows[e] = {**_new_row(label_of(e), "trained", config, table_fits), "final_train_loss": [], "train_seconds": []}
     if "rope" not in config.encodings:
         return rows
     for s in config.zero_shot:

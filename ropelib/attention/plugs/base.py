@@ -43,6 +43,8 @@ def relative_from_positions(positions: torch.Tensor) -> torch.Tensor:
 class PositionPlug:
     """No position encoding; the base of every plug. Subclasses override what their encoding does."""
 
+    #: the encoding's name in tables and figures (the paper's, e.g. ``"ALiBi"``); the ``position`` key if empty
+    label: ClassVar[str] = ""
     #: keyword options of :class:`~ropelib.MultiHeadAttention` that this encoding reads
     options: ClassVar[frozenset[str]] = frozenset()
     #: whether the encoding reads the positions' values through a table (so they must be in range)
