@@ -52,6 +52,7 @@ from torch import nn
 from .. import __version__
 from .._device import default_device, device_name
 from .._validation import check_choice, check_int
+from ..attention.hybrid import HYBRIDS, hybrid_layers
 from ..attention.mha import MultiHeadAttention
 from ..attention.plugs import PLUGS
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
@@ -211,10 +212,16 @@ class Block(nn.Module):
     def __init__(self, config: LabConfig, position: str, rotary: RotaryEmbedding | None = None) -> None:
         super().__init__()
         options: dict[str, Any] = {}
+        local = max(1, config.train_length // 4)  # the hybrids' chunk, window and temperature step
         if position == "rope":
             options = {"rotary": rotary}
         elif position == "t5":
             options = {"num_buckets": config.t5_num_buckets, "max_distance": config.t5_max_distance}
+        elif position in ("rope_chunked", "rope_swa"):
+            size = {"rope_chunked": "chunk_size", "rope_swa": "window"}[position]
+            options = {size: local} if rotary is None else {size: local, "rotary": rotary}
+        elif position == "nope_temperature":
+            options = {"floor_scale": local}
         self.norm1 = nn.LayerNorm(config.embed_dim)
         self.attn = MultiHeadAttention(config.embed_dim, config.num_heads, position, causal=True, **options)
         self.norm2 = nn.LayerNorm(config.embed_dim)
@@ -236,7 +243,11 @@ class TinyTransformer(nn.Module):
     Absolute encodings (``sinusoidal``, ``learned``) are added once to the
     token embeddings (Vaswani et al., 2017); relative biases (``t5``,
     ``alibi``) and ``rope`` act in every attention layer; ``none`` (NoPE,
-    Kazemnejad et al., 2023) relies on the causal mask alone.
+    Kazemnejad et al., 2023) relies on the causal mask alone. A hybrid
+    (``irope``, ``rnope_swa``: :func:`~ropelib.attention.hybrid.hybrid_layers`)
+    gives each layer its own encoding, one global NoPE layer in every
+    ``min(4, num_layers)``, the local RoPE layers sharing one rotary module;
+    chunk, window and temperature step are ``train_length // 4``.
 
     Shapes:
         ``forward(tokens)``: int64 ``[batch, seq]`` -> logits
@@ -245,7 +256,7 @@ class TinyTransformer(nn.Module):
 
     def __init__(self, config: LabConfig, encoding: str) -> None:
         super().__init__()
-        self.encoding = check_choice(encoding, "encoding", ENCODINGS)
+        self.encoding = check_choice(encoding, "encoding", ENCODINGS + tuple(HYBRIDS))
         self.config = config
         self.embed = nn.Embedding(config.vocab_size, config.embed_dim)
         self.absolute: nn.Module | None = None
@@ -262,8 +273,13 @@ class TinyTransformer(nn.Module):
         self.rope = None
         if encoding == "rope":
             self.rope = RotaryEmbedding(head_dim, config.theta)
-        layers = range(config.num_layers)
-        blocks = [Block(config, in_attention, self.rope) for _ in layers]
+        self.layer_positions = (in_attention,) * config.num_layers
+        shared = self.rope
+        if encoding in HYBRIDS:  # one encoding per layer; the rotations are the layers' own
+            interval = min(4, config.num_layers)
+            self.layer_positions = hybrid_layers(encoding, config.num_layers, interval=interval)
+            shared = RotaryEmbedding(head_dim, config.theta)
+        blocks = [Block(config, p, shared) for p in self.layer_positions]
         self.blocks = nn.ModuleList(blocks)
         self.norm = nn.LayerNorm(config.embed_dim)
         self.head = nn.Linear(config.embed_dim, config.vocab_size)

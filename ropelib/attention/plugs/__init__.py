@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .base import AttentionLayer, PositionPlug, relative_from_positions
 from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlug, T5Plug
+from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
 PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
@@ -21,6 +22,9 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "alibi": AlibiPlug,
         "shaw": ShawPlug,
         "rope": RotaryPlug,
+        "rope_chunked": ChunkedRotaryPlug,
+        "rope_swa": SlidingRotaryPlug,
+        "nope_temperature": TemperaturePlug,
     }
 )
 
