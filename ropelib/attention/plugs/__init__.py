@@ -11,6 +11,7 @@ from types import MappingProxyType
 from .base import AttentionLayer, PositionPlug, relative_from_positions
 from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlug, T5Plug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
+from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
 PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
@@ -25,6 +26,10 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "rope_chunked": ChunkedRotaryPlug,
         "rope_swa": SlidingRotaryPlug,
         "nope_temperature": TemperaturePlug,
+        "kerple_log": KerpleLogPlug,
+        "kerple_power": KerplePowerPlug,
+        "fire": FirePlug,
+        "cope": CopePlug,
     }
 )
 
