@@ -13,7 +13,9 @@ from ropelib.bench import main
 from ropelib.bench.cli import parse_kv_shape
 from ropelib.bench.kv_write import (
     FUSED,
+    FUSED_INPLACE,
     KV_ROOF,
+    KV_ROOF_INPLACE,
     TWO_STEP,
     TWO_STEP_INPLACE,
     kv_write_bytes,
@@ -84,7 +86,7 @@ def test_json_record(tmp_path: Path) -> None:
         assert set(row) == FIELDS and len(row["times_ms"]) == 2
         assert row["bytes"] == kv_write_bytes(6, 4, 2, 8, torch.float32) and row["cache_slots"] == 24
         assert row["gbs"] == pytest.approx(row["bytes"] / row["median_ms"] / 1e6)
-        assert (row["bitwise_equal_to_two_step"] is None) == (row["impl"] == KV_ROOF)
+        assert (row["bitwise_equal_to_two_step"] is None) == (row["impl"] in (KV_ROOF, KV_ROOF_INPLACE))
         assert row["bitwise_equal_to_two_step"] in (None, True)  # every path writes the two-step path's bits
     by_impl = {(r["kind"], r["impl"]): r for r in rows}
     for kind in ("decode", "prefill"):
@@ -95,6 +97,12 @@ def test_json_record(tmp_path: Path) -> None:
         assert fused["path_bytes"] == fused["bytes"]
         assert fused["speedup_over_two_step"] == pytest.approx(
             by_impl[kind, TWO_STEP]["median_ms"] / fused["median_ms"]
+        )
+        # q rotated in place: against the in-place roof and the in-place two-step path
+        in_place = by_impl[kind, FUSED_INPLACE]
+        assert in_place["roof"] == KV_ROOF_INPLACE and by_impl[kind, KV_ROOF_INPLACE]["pct_roof"] == 100.0
+        assert in_place["speedup_over_two_step"] == pytest.approx(
+            by_impl[kind, TWO_STEP_INPLACE]["median_ms"] / in_place["median_ms"]
         )
 
 

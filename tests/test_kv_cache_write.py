@@ -583,3 +583,72 @@ def test_the_two_halves_of_one_buffer_are_not_aliasing() -> None:
     )
     assert case.k_cache.untyped_storage().data_ptr() == case.v_cache.untyped_storage().data_ptr()
     assert_two_step_bits(case, "half", "torch")
+
+
+# ----------------------------------------------------------------------------- q rotated in place (vLLM's order)
+
+INPLACE_OP = torch.ops.ropelib.rotary_kv_write_inplace_.default
+
+
+@KERNEL
+@LAYOUT
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("batch", [None, 2])
+def test_in_place_q_equals_the_two_step_path(kernel: str, layout: str, dtype: torch.dtype, batch: int | None) -> None:
+    # inplace=True: q itself returned, rotated with rotary_qk's bits, its version moved; the caches as before.
+    generator = torch.Generator().manual_seed(hash((kernel, layout, str(dtype), batch)) % 2**31)
+    case = make_case(
+        batch=batch, seq=3, q_heads=4, k_heads=2, dim=16, v_dim=8, rotary_dim=12, blocks=4, block_size=3,
+        cache="paged", dtype=dtype, padding=0.3, generator=generator,
+    )  # fmt: skip
+    want = two_step(case, layout, reference_kernel(kernel, dtype))
+    q = case.q.clone()
+    version = q._version
+    got = rotary_kv_cache_write(q, *case.args()[1:], layout=layout, kernel=kernel, inplace=True)
+    assert got is q and q._version > version
+    for have, expected in zip((q, case.k_cache, case.v_cache), want):
+        assert torch.equal(have, expected)
+
+
+def test_in_place_q_with_a_feature_stride_goes_through_a_copy() -> None:
+    # q whose features are not at unit stride (a transposed view): rotated where it lies all the same.
+    case = small_case()
+    want = two_step(case, "half")
+    q = case.q.transpose(-1, -2).contiguous().transpose(-1, -2)  # same values, feature stride != 1
+    assert q.stride(-1) != 1
+    rotary_kv_cache_write(q, *case.args()[1:], kernel="torch", inplace=True)
+    assert torch.equal(q, want[0])
+
+
+@pytest.mark.parametrize("kernel", HYPOTHESIS_KERNELS)
+def test_opcheck_in_place(kernel: str) -> None:
+    # As test_opcheck, for the operator that also writes q (declared Tensor(a!) q).
+    case = small_case()
+    args = (case.q[None].clone(), *operator_args(case, kernel)[1:])
+    for test in ("test_schema", "test_faketensor", "test_aot_dispatch_static", "test_aot_dispatch_dynamic"):
+        torch.library.opcheck(INPLACE_OP, args, test_utils=test)
+
+
+def test_make_fx_records_the_in_place_operator() -> None:
+    def write(q: torch.Tensor, *args: torch.Tensor) -> torch.Tensor:
+        return rotary_kv_cache_write(q, *args, kernel="torch", inplace=True)
+
+    graph = make_fx(write, tracing_mode="fake")(*small_case().args())
+    targets = [str(node.target) for node in graph.graph.nodes if node.op == "call_function"]
+    assert "ropelib.rotary_kv_write_inplace_.default" in targets
+
+
+@pytest.mark.parametrize(
+    ("q_of", "match"),
+    [(lambda k, v: k, "q and k in separate memory"), (lambda k, v: v, "q overlaps v")],
+    ids=["q is k", "q is v"],
+)
+def test_in_place_refuses_q_over_what_the_pass_reads(q_of: Callable, match: str) -> None:
+    case = small_case()
+    k = torch.randn(5, 4, 8)
+    v = torch.randn(5, 4, 8)
+    caches = torch.zeros(3, 4, 4, 8), torch.zeros(3, 4, 4, 8)
+    with pytest.raises(ValueError, match=match):
+        rotary_kv_cache_write(q_of(k, v), k, v, *caches, case.slots, case.cos, case.sin, case.positions, inplace=True)
+    with pytest.raises(TypeError, match="inplace"):
+        rotary_kv_cache_write(*case.args(), inplace="yes")  # type: ignore[arg-type]

@@ -11,6 +11,8 @@ Rows, timed interleaved round by round in one process (:func:`~ropelib.bench.tim
 
 * ``fused``: :func:`ropelib.rotary_kv_cache_write` (the kernel ``"auto"`` picks), and on the CPU
   the same with ``kernel="torch"`` (PyTorch ops: a rotation, then one ``index_put_`` per cache);
+* ``fused, q in place``: the same with ``inplace=True`` (``ropelib::rotary_kv_write_inplace_``:
+  q rotated where it lies, as vLLM rotates it);
 * ``two-step``: ``rotary_qk`` (a fresh q and k), then ``index_copy_`` of the rotated k and of v
   into the caches: the baseline, the same result bit for bit (checked), and the same contract
   (a fresh rotated q); and ``two-step (in place)``, vLLM's order: q and k rotated in place, then
@@ -22,7 +24,10 @@ Rows, timed interleaved round by round in one process (:func:`~ropelib.bench.tim
   memory already in use, the cache rows' cost). It is the true roof of the fused op in the sense
   of :mod:`ropelib.bench.rope`: what the operation's unavoidable bytes cost when moved by a
   kernel that does nothing else; the cos/sin rows and the slots are left out of it (they are
-  1/64 of the bytes at head_dim 128 or less).
+  1/64 of the bytes at head_dim 128 or less). The rows that rotate q in place are measured
+  against the in-place roof (:data:`KV_ROOF_INPLACE`: ``q.mul_(1)``, the same k and v streams),
+  and their speedup is over the in-place two-step path; the others against the fresh roof and
+  the fresh two-step path.
 
 Bytes (:func:`kv_write_bytes`), the numerator of every row's GB/s: read q, write q out, read k
 and v, write their cache rows, read the tokens' cos/sin rows, positions and slots. The two-step
@@ -61,7 +66,9 @@ GPU_KV_SHAPES: tuple[tuple[str, KVShape], ...] = (
 #: The cache holds this many times the tokens' slots.
 SPARE = 4
 KV_ROOF = "roof: mul(q) fresh, mul(k, v) into cache rows"
+KV_ROOF_INPLACE = "roof: q.mul_(1), mul(k, v) into cache rows"
 FUSED, FUSED_TORCH = "fused rotary_kv_cache_write", "fused (kernel='torch')"
+FUSED_INPLACE = "fused, q in place (inplace=True)"
 TWO_STEP, TWO_STEP_INPLACE = "two-step: rotary_qk + index_copy_", "two-step (in place) + index_copy_"
 
 
@@ -178,26 +185,39 @@ def run_kv_config(
     impls[TWO_STEP_INPLACE] = functools.partial(
         _two_step, q_own, k_own, v, k_rows, v_rows, slots, cos, sin, positions, layout=layout, inplace=True
     )
+    impls[FUSED_INPLACE] = functools.partial(fused, q.clone(), *args[1:], inplace=True)
     one = torch.ones((), dtype=dtype, device=device)  # x * 1 is x: the roof moves bytes, nothing else
     k_slab, v_slab = k_rows[:tokens], v_rows[:tokens]  # as many cache rows as the tokens write
+
+    q_scaled = q.clone()
 
     def roof() -> None:
         torch.mul(q, one)
         torch.mul(k, one, out=k_slab)
         torch.mul(v, one, out=v_slab)
 
+    def roof_inplace() -> None:
+        q_scaled.mul_(one)
+        torch.mul(k, one, out=k_slab)
+        torch.mul(v, one, out=v_slab)
+
     with torch.no_grad():
         same = _check_bits(impls, args, layout)
-        times = time_interleaved({KV_ROOF: roof, **impls}, device, reps=reps, warmup=warmup)
+        roofs = {KV_ROOF: roof, KV_ROOF_INPLACE: roof_inplace}
+        times = time_interleaved({**roofs, **impls}, device, reps=reps, warmup=warmup)
     nbytes = kv_write_bytes(tokens, q_heads, kv_heads, head_dim, dtype)
+    roof_bytes = nbytes - tokens * (2 * (head_dim // 2) * 4 + 2 * 8)
     paths = {
-        KV_ROOF: nbytes - tokens * (2 * (head_dim // 2) * 4 + 2 * 8),
+        KV_ROOF: roof_bytes,
+        KV_ROOF_INPLACE: roof_bytes,
         TWO_STEP: two_step_bytes(tokens, q_heads, kv_heads, head_dim, dtype),
         TWO_STEP_INPLACE: two_step_bytes(tokens, q_heads, kv_heads, head_dim, dtype),
     }
     medians = {name: statistics.median(values) for name, values in times.items()}
     results = []
     for name, values in times.items():
+        in_place = name in (KV_ROOF_INPLACE, TWO_STEP_INPLACE, FUSED_INPLACE)
+        roof_name, baseline = (KV_ROOF_INPLACE, TWO_STEP_INPLACE) if in_place else (KV_ROOF, TWO_STEP)
         results.append(
             KVResult(
                 impl=name,
@@ -211,9 +231,9 @@ def run_kv_config(
                 bytes=nbytes,
                 path_bytes=paths.get(name, nbytes),
                 gbs=nbytes / medians[name] / 1e9,
-                roof=KV_ROOF,
-                pct_roof=100.0 * medians[KV_ROOF] / medians[name],
-                speedup_over_two_step=medians[TWO_STEP] / medians[name],
+                roof=roof_name,
+                pct_roof=100.0 * medians[roof_name] / medians[name],
+                speedup_over_two_step=medians[baseline] / medians[name],
                 bitwise_equal_to_two_step=same.get(name),
             )
         )
@@ -226,9 +246,12 @@ def _check_bits(impls: dict[str, Callable[[], Any]], args: tuple[torch.Tensor, .
 
     def outputs(name: str) -> tuple[torch.Tensor, ...]:
         kc, vc = k_cache.clone(), v_cache.clone()
-        if name in (FUSED, FUSED_TORCH):
+        if name in (FUSED, FUSED_TORCH, FUSED_INPLACE):
             kernel = "torch" if name == FUSED_TORCH else "auto"
-            q_out = rotary_kv_cache_write(q, k, v, kc, vc, slots, cos, sin, positions, layout=layout, kernel=kernel)
+            q_out = rotary_kv_cache_write(
+                q.clone(), k, v, kc, vc, slots, cos, sin, positions, layout=layout, kernel=kernel,
+                inplace=name == FUSED_INPLACE,
+            )  # fmt: skip
         else:
             rows = (kc.view(-1, *kc.shape[2:]), vc.view(-1, *vc.shape[2:]))
             inplace = name == TWO_STEP_INPLACE
@@ -267,8 +290,9 @@ def kv_write_rows(
 def format_kv_table(rows: Sequence[dict]) -> str:
     """One block per configuration, the roof first, at most 76 characters wide."""
     lines = [
-        "% roof: of the roof row (torch.mul of q into fresh memory, of k and v",
-        "into cache rows); x 2-step: speedup over rotary_qk + index_copy_",
+        "% roof: of torch.mul moving the same streams (q into fresh memory, or",
+        "q.mul_ for the rows that rotate q in place; k and v into cache rows);",
+        "x 2-step: speedup over rotary_qk + index_copy_ (in place for those rows)",
     ]
     header = f"{'row':<34}{'ms':>8}{'GB/s':>7}{'% roof':>8}{'x 2-step':>9}{'bits':>5}"
     last = None
@@ -278,7 +302,8 @@ def format_kv_table(rows: Sequence[dict]) -> str:
             lines += ["", f"{r['kind']} {tuple(r['shape'])} {r['dtype']} {r['layout']}", header]
             last = key
         bits = {True: "=", False: "NO", None: ""}[r["bitwise_equal_to_two_step"]]
-        name = "roof: torch.mul, the same streams" if r["impl"] == KV_ROOF else r["impl"][:33]
+        roof_names = {KV_ROOF: "roof: torch.mul, the same streams", KV_ROOF_INPLACE: "roof in place: q.mul_, the same"}
+        name = roof_names.get(r["impl"], r["impl"][:33])
         lines.append(
             f"{name:<34}{r['median_ms']:>8.3f}{r['gbs']:>7.2f}{r['pct_roof']:>8.1f}"
             f"{r['speedup_over_two_step']:>9.2f}{bits:>5}"

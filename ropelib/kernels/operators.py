@@ -1,6 +1,6 @@
 r"""ropelib's operators: the rotation as PyTorch sees it, with the rules autograd, compile, vmap and modes use.
 
-Three operators, defined with :class:`torch.library.Library` (a low-level definition: one dispatcher
+Four operators, defined with :class:`torch.library.Library` (a low-level definition: one dispatcher
 hop, no Python wrapper)::
 
     ropelib::rotary (Tensor q, Tensor k, Tensor cos, Tensor sin,
@@ -13,6 +13,9 @@ hop, no Python wrapper)::
                               Tensor slot_mapping, Tensor cos, Tensor sin,
                               Tensor positions, bool interleaved,
                               str kernel) -> Tensor
+    ropelib::rotary_kv_write_inplace_(Tensor(a!) q, ...,
+                              Tensor(b!) k_cache, Tensor(c!) v_cache,
+                              ...the same...) -> ()
 
 ``rotary`` returns the rotated ``q`` ``[B, S, Hq, D]`` and ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0);
 ``rotary_`` overwrites them, and its schema says so, so that their version counters move
@@ -27,7 +30,8 @@ modules, which check their arguments first; the operators do not check again.
 ``rotary_kv_write_`` (inference only) returns the rotated ``q`` and writes the rotated ``k`` and
 ``v`` of token ``(b, s)`` into slot ``slot_mapping[b, s]`` of the caches (vLLM's slot mapping:
 ``[num_blocks, block_size, Hk, D]`` caches, or ``[num_slots, Hk, D]``; a negative slot is
-padding, not written); its caller is :func:`ropelib.serving.rotary_kv_cache_write`. With
+padding, not written); ``rotary_kv_write_inplace_`` does the same with ``q`` rotated in place
+(vLLM's order). Their caller is :func:`ropelib.serving.rotary_kv_cache_write`. With
 autograd recording and an input that requires grad it raises rather than drop the gradient.
 
 What is registered, beside the kernel (every backend; the chosen kernel touches the memory):
@@ -36,8 +40,8 @@ What is registered, beside the kernel (every backend; the chosen kernel touches 
   with ``conjugate`` flipped, itself differentiable (double backward). The in-place operator is
   recorded per tensor, one :class:`torch.autograd.Function` each, because autograd lets a function
   that modifies a view in place return only that view (q and k as views of one packed buffer);
-* **ADInplaceOrView** for ``rotary_`` and ``rotary_kv_write_``: the version counters of what
-  they write (``q`` and ``k``; the caches) are bumped;
+* **ADInplaceOrView** for ``rotary_`` and the kv writes: the version counters of what they
+  write (``q`` and ``k``; the caches, and ``q`` in place) are bumped;
 * **fake** (shape-only) functions, for :func:`torch.compile`, :func:`torch.export`, ``make_fx`` and
   meta tensors;
 * **vmap** rules: the vmapped dimension joins the batch (one call) when the tables are shared,
@@ -46,6 +50,7 @@ What is registered, beside the kernel (every backend; the chosen kernel touches 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -294,8 +299,11 @@ LIBRARY.define(
     "Tensor cos, Tensor sin, Tensor positions, bool interleaved, str kernel) -> Tensor",
     tags=(torch.Tag.pt2_compliant_tag,),
 )
-#: ``ropelib::rotary_kv_write_``: returns the rotated q, writes the rotated k and v into the caches.
-rotary_kv_write_ = torch.ops.ropelib.rotary_kv_write_.default
+LIBRARY.define(
+    "rotary_kv_write_inplace_(Tensor(a!) q, Tensor k, Tensor v, Tensor(b!) k_cache, Tensor(c!) v_cache, "
+    "Tensor slot_mapping, Tensor cos, Tensor sin, Tensor positions, bool interleaved, str kernel) -> ()",
+    tags=(torch.Tag.pt2_compliant_tag,),
+)
 
 
 def _paged(cache: torch.Tensor) -> torch.Tensor:
@@ -303,21 +311,11 @@ def _paged(cache: torch.Tensor) -> torch.Tensor:
     return cache if cache.ndim == 4 else cache.unsqueeze(0)
 
 
-def _kv_write_kernel(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    cos: torch.Tensor,
-    sin: torch.Tensor,
-    positions: torch.Tensor,
-    interleaved: bool,
-    kernel: str,
-) -> torch.Tensor:
-    q, k, v = _unit_stride(q), _unit_stride(k), _unit_stride(v)
-    q_out = torch.empty_like(q)
+def _kv_write_into(q: torch.Tensor, q_out: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> None:
+    """Both kv-write kernels' call of :func:`~ropelib.kernels.registry.run_kv_write`; ``args`` from ``k_cache`` on."""
+    k_cache, v_cache, slot_mapping, cos, sin, positions, interleaved, kernel = args
+    k, v = _unit_stride(k), _unit_stride(v)
+    tables = cos.contiguous(), sin.contiguous()
     run_kv_write(
         kernel,
         q,
@@ -327,15 +325,68 @@ def _kv_write_kernel(
         _paged(k_cache),
         _paged(v_cache),
         slot_mapping,
-        cos.contiguous(),
-        sin.contiguous(),
+        *tables,
         positions,
         interleaved=interleaved,
     )
+
+
+def _kv_write_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> torch.Tensor:
+    q = _unit_stride(q)
+    q_out = torch.empty_like(q)
+    _kv_write_into(q, q_out, k, v, *args)
     return q_out
 
 
-LIBRARY.impl("rotary_kv_write_", _kv_write_kernel, "CompositeExplicitAutograd")
+def _kv_write_inplace_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *args: Any) -> None:
+    q_unit = _unit_stride(q)  # a feature stride other than 1: through a copy
+    _kv_write_into(q_unit, q_unit, k, v, *args)
+    if q_unit is not q:
+        q.copy_(q_unit)
+
+
+def _refuse_gradients(name: str, *tensors: torch.Tensor) -> None:
+    """The fused write records no gradient: refuse, rather than drop one, when autograd would record."""
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError(
+            f"ropelib::{name} is inference-only and gives no gradient: call it under torch.no_grad() "
+            "or torch.inference_mode(), or rotate with ropelib.rotary_qk to train"
+        )
+
+
+def _register_kv_write(name: str, kernel: Callable[..., Any], writes_q: bool) -> Any:
+    """Register a kv-write operator's kernel, its version bumps (what its schema writes) and its autograd refusal.
+
+    The arguments of both are ``(q, k, v, k_cache, v_cache, slot_mapping, cos, sin, positions, ...)``;
+    the caches are written, and ``q`` too when ``writes_q``.
+    """
+    op = getattr(torch.ops.ropelib, name).default
+
+    def bump(args: tuple[Any, ...]) -> None:
+        for tensor in (args[0], args[3], args[4]) if writes_q else (args[3], args[4]):
+            increment_version(tensor)
+
+    def autograd(keyset: Any, *args: Any) -> Any:
+        _refuse_gradients(name, *args[:5], args[6], args[7])
+        if keyset == _PLAIN_INPLACE[0] or keyset == _PLAIN_INPLACE[1]:
+            bump(args)  # what ADInplaceOrView does, then the backend
+            return kernel(*args)
+        return op.redispatch(keyset & _AFTER_AUTOGRAD, *args)
+
+    def version(keyset: Any, *args: Any) -> Any:
+        bump(args)
+        return op.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, *args)
+
+    LIBRARY.impl(name, kernel, "CompositeExplicitAutograd")
+    LIBRARY.impl(name, autograd, "Autograd", with_keyset=True)
+    LIBRARY.impl(name, version, "ADInplaceOrView", with_keyset=True)
+    return op
+
+
+#: ``ropelib::rotary_kv_write_``: returns the rotated q, writes the rotated k and v into the caches.
+rotary_kv_write_ = _register_kv_write("rotary_kv_write_", _kv_write_kernel, writes_q=False)
+#: ``ropelib::rotary_kv_write_inplace_``: the same with q rotated in place (vLLM's order), returns nothing.
+rotary_kv_write_inplace_ = _register_kv_write("rotary_kv_write_inplace_", _kv_write_inplace_kernel, writes_q=True)
 
 
 @torch.library.register_fake("ropelib::rotary_kv_write_", lib=LIBRARY)
@@ -343,45 +394,6 @@ def _kv_write_fake(q: torch.Tensor, *rest: Any) -> torch.Tensor:
     return torch.empty_like(_unit_stride(q))
 
 
-def _refuse_gradients(*tensors: torch.Tensor) -> None:
-    """The fused write records no gradient: refuse, rather than drop one, when autograd would record."""
-    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
-        raise RuntimeError(
-            "ropelib::rotary_kv_write_ is inference-only and gives no gradient: call it under torch.no_grad() "
-            "or torch.inference_mode(), or rotate with ropelib.rotary_qk to train"
-        )
-
-
-def _kv_write_autograd(
-    keyset: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *rest: Any,
-) -> torch.Tensor:
-    _refuse_gradients(q, k, v, k_cache, v_cache, rest[1], rest[2])
-    if keyset == _PLAIN_INPLACE[0] or keyset == _PLAIN_INPLACE[1]:
-        increment_version(k_cache)  # what ADInplaceOrView does, then the backend
-        increment_version(v_cache)
-        return _kv_write_kernel(q, k, v, k_cache, v_cache, *rest)
-    return rotary_kv_write_.redispatch(keyset & _AFTER_AUTOGRAD, q, k, v, k_cache, v_cache, *rest)
-
-
-def _kv_write_version(
-    keyset: Any,
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    *rest: Any,
-) -> torch.Tensor:
-    increment_version(k_cache)
-    increment_version(v_cache)
-    return rotary_kv_write_.redispatch(keyset & _AFTER_INPLACE_OR_VIEW, q, k, v, k_cache, v_cache, *rest)
-
-
-LIBRARY.impl("rotary_kv_write_", _kv_write_autograd, "Autograd", with_keyset=True)
-LIBRARY.impl("rotary_kv_write_", _kv_write_version, "ADInplaceOrView", with_keyset=True)
+@torch.library.register_fake("ropelib::rotary_kv_write_inplace_", lib=LIBRARY)
+def _kv_write_inplace_fake(q: torch.Tensor, *rest: Any) -> None:
+    return None

@@ -26,8 +26,6 @@ from collections.abc import Iterator
 
 import torch
 
-from .aliasing import writes_in_place
-
 #: The bytes of q and k in one block of tokens on a CPU, so that a block and its buffers stay in
 #: the last-level cache.
 BLOCK_BYTES = 4 << 20
@@ -166,7 +164,8 @@ def launch(
     if conjugate:
         sin_t = -sin_t
     head_dim = q.shape[-1]
-    in_place = writes_in_place(q, k, q_out, k_out)
+    # per tensor: the fused cache write rotates q in place and k into a fresh tensor
+    in_place = [out.data_ptr() == x.data_ptr() and x.numel() > 0 for x, out in ((q, q_out), (k, k_out))]
     if q.numel() + k.numel() <= FEW_ELEMENTS and q.dtype == cos.dtype and 2 * r2 == head_dim:
         q_new, k_new = rotate_few(q, k, cos_t, sin_t, interleaved=interleaved)
         torch._foreach_copy_([q_out, k_out], [q_new, k_new])
@@ -174,20 +173,20 @@ def launch(
     per_token = (q.shape[2] + k.shape[2]) * head_dim * q.element_size()
     step = max(1, (BLOCK_BYTES if q.device.type == "cpu" else GPU_BLOCK_BYTES) // max(per_token, 1))
     buffers = []
-    for x in (q, k):  # per tensor, reused by every block
+    for x, same in zip((q, k), in_place):  # per tensor, reused by every block
         rows = min(step, x.shape[0] * x.shape[1])
 
         def buffer(width: int, x: torch.Tensor = x, rows: int = rows) -> torch.Tensor:
             return torch.empty((rows, x.shape[2], width), dtype=cos.dtype, device=x.device)
 
         low = q.dtype != cos.dtype
-        buffers.append((buffer(r2), buffer(2 * r2) if in_place or low else None, buffer(2 * r2) if low else None))
+        buffers.append((buffer(r2), buffer(2 * r2) if same or low else None, buffer(2 * r2) if low else None))
     for (qb, kb, qob, kob), (cb, sb) in _blocks((q, k, q_out, k_out), (cos_t, sin_t), step):
         for index, (x, out) in enumerate(((qb, qob), (kb, kob))):
             if x.numel() == 0:
                 continue
             _rotate_block(x, out, cb, sb, interleaved, buffers[index])
-            if not in_place and 2 * r2 < head_dim:
+            if not in_place[index] and 2 * r2 < head_dim:
                 out[..., 2 * r2 :].copy_(x[..., 2 * r2 :])
 
 

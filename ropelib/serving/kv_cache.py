@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._validation import (
+    check_bool,
     check_choice,
     check_float_tensor,
     check_integer_tensor,
@@ -22,9 +23,9 @@ from .._validation import (
     check_positions,
     check_qk,
 )
-from ..kernels.aliasing import overlap, self_overlaps, storage_visible
+from ..kernels.aliasing import check_inplace, overlap, self_overlaps, storage_visible
 from ..kernels.door import check_kernel, check_tables
-from ..kernels.operators import rotary_kv_write_
+from ..kernels.operators import rotary_kv_write_, rotary_kv_write_inplace_
 from ..layouts import LAYOUTS
 
 
@@ -108,6 +109,7 @@ def rotary_kv_cache_write(
     *,
     layout: str = "half",
     kernel: str = "auto",
+    inplace: bool = False,
 ) -> torch.Tensor:
     r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) and write ``k`` and ``v`` into a KV cache, in one pass.
 
@@ -136,10 +138,12 @@ def rotary_kv_cache_write(
             ``[batch, seq]``), on q's device.
         layout: ``"half"`` or ``"interleaved"``.
         kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
+        inplace: rotate ``q`` where it lies (vLLM's order; no fresh output, whose pages a CPU
+            pays for), with ``ropelib::rotary_kv_write_inplace_``; ``q`` must not overlap ``k`` or ``v``.
 
     Returns:
-        The rotated ``q``, a new tensor of q's shape and dtype; ``k_cache`` and ``v_cache`` hold the
-        tokens' rotated keys and values.
+        The rotated ``q``: a new tensor of q's shape and dtype, or ``q`` itself in place; ``k_cache``
+        and ``v_cache`` hold the tokens' rotated keys and values.
 
     Example:
         >>> from ropelib import RotaryEmbedding
@@ -152,7 +156,7 @@ def rotary_kv_cache_write(
         >>> torch.equal(v_cache[1, 1], v[0]), bool(v_cache[0, 1:].eq(0).all())
         (True, True)
     """
-    q = check_float_tensor(q, "q")
+    q = given = check_float_tensor(q, "q")
     if q.ndim not in (3, 4):
         raise ValueError(f"q must be [tokens, heads, head_dim] or [batch, seq, heads, head_dim], got {tuple(q.shape)}")
     flat = q.ndim == 3
@@ -171,6 +175,10 @@ def rotary_kv_cache_write(
         )
     caches = _check_caches(k_cache, v_cache, k, v)
     _check_no_aliasing({"q": q, "k": k, "v": v}, caches)
+    if check_bool(inplace, "inplace"):
+        check_inplace(q, k)  # q written where k is read: no shared element, no expanded q
+        if storage_visible(q) and storage_visible(v) and overlap(q, v):
+            raise ValueError("q overlaps v, which the same pass reads: pass q.clone() or inplace=False")
     batch, seq = q.shape[:2]
     slots = check_integer_tensor(slot_mapping, "slot_mapping")
     if tuple(slots.shape) != ((seq,) if flat else (batch, seq)):
@@ -188,5 +196,8 @@ def rotary_kv_cache_write(
     )
     if positions.device != q.device:
         raise ValueError(f"positions must be on q's device {q.device}, got {positions.device}")
+    if inplace:
+        rotary_kv_write_inplace_(q, k, v, k_cache, v_cache, slots, cos, sin, positions, interleaved, kernel)
+        return given
     q_out = rotary_kv_write_(q, k, v, k_cache, v_cache, slots, cos, sin, positions, interleaved, kernel)
     return q_out[0] if flat else q_out
