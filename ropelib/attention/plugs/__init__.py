@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .base import AttentionLayer, PositionPlug, relative_from_positions
 from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlug, T5Plug
+from .frequency import FoPEPlug, PRopePlug, ResonancePlug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
 
@@ -30,6 +31,9 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "kerple_power": KerplePowerPlug,
         "fire": FirePlug,
         "cope": CopePlug,
+        "p_rope": PRopePlug,
+        "resonance_rope": ResonancePlug,
+        "fope": FoPEPlug,
     }
 )
 
