@@ -13,6 +13,7 @@ from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlu
 from .frequency import FoPEPlug, PRopePlug, ResonancePlug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
+from .remap import DualChunkPlug, LeakyReRoPEPlug, ReRoPEPlug, SelfExtendPlug
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
 PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
@@ -34,6 +35,10 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "p_rope": PRopePlug,
         "resonance_rope": ResonancePlug,
         "fope": FoPEPlug,
+        "rerope": ReRoPEPlug,
+        "leaky_rerope": LeakyReRoPEPlug,
+        "self_extend": SelfExtendPlug,
+        "dual_chunk": DualChunkPlug,
     }
 )
 
