@@ -8,6 +8,7 @@ from typing import Any, ClassVar, cast
 import torch
 from torch import nn
 
+from ..._validation import check_int
 from ...rotary import Rotation
 from ..hybrid import AttentionTemperature, LocalRotary
 from .base import AttentionLayer, PositionPlug
@@ -26,7 +27,8 @@ class LocalRotaryPlug(RotaryPlug):
     def build(cls, attn: AttentionLayer, max_positions: int | None, options: dict[str, Any]) -> nn.Module | None:
         rope_options = {k: v for k, v in options.items() if k != cls.size_option}
         rotary = RotaryPlug.build(attn, max_positions, rope_options)
-        return LocalRotary(cast(Any, rotary), cls.kind, options.get(cls.size_option, cls.default_size))
+        size = check_int(options.get(cls.size_option, cls.default_size), cls.size_option, minimum=1)
+        return LocalRotary(cast(Any, rotary), cls.kind, size)
 
     @staticmethod
     def rotate(
