@@ -123,3 +123,25 @@ def t5_bucket_peer(relative_position: torch.Tensor, bidirectional: bool, num_buc
     return T5Attention._relative_position_bucket(
         relative_position, bidirectional=bidirectional, num_buckets=num_buckets, max_distance=max_distance
     )
+
+
+def remapped_scores_ref(q: torch.Tensor, k: torch.Tensor, relative, *, theta: float = 10000.0, layout: str = "half"):
+    """Scores at remapped relative positions, one explicit rotation per pair, float64 ``[batch, heads, seq, seq]``.
+
+    ``relative(b, i, j)`` is the relative position pair ``(i, j)`` of row ``b`` is scored at (the
+    scheme's formula); RoPE's score at relative position ``r`` is ``(R_r q_i) . k_j / sqrt(d)``, since
+    ``(R_a q) . (R_b k) = q^T R_{b - a} k``.
+    """
+    batch, seq, heads, head_dim = q.shape
+    out = torch.empty(batch, heads, seq, seq, dtype=torch.float64)
+    matrices: dict[float, torch.Tensor] = {}
+    for b in range(batch):
+        for i in range(seq):
+            for j in range(seq):
+                r = relative(b, i, j)
+                if r not in matrices:
+                    matrices[r] = rotation_matrix_ref(r, head_dim, theta=theta, layout=layout)
+                for h in range(heads):
+                    rotated = matrices[r] @ q[b, i, h].double()
+                    out[b, h, i, j] = rotated @ k[b, j, h].double() / math.sqrt(head_dim)
+    return out
