@@ -13,6 +13,7 @@ from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlu
 from .frequency import FoPEPlug, PRopePlug, ResonancePlug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
+from .lie import ComRoPEPlug, LieREPlug
 from .remap import DualChunkPlug, LeakyReRoPEPlug, ReRoPEPlug, SelfExtendPlug
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
@@ -28,6 +29,8 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "rope_chunked": ChunkedRotaryPlug,
         "rope_swa": SlidingRotaryPlug,
         "nope_temperature": TemperaturePlug,
+        "comrope": ComRoPEPlug,
+        "liere": LieREPlug,
         "kerple_log": KerpleLogPlug,
         "kerple_power": KerplePowerPlug,
         "fire": FirePlug,
