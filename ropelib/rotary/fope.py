@@ -106,8 +106,10 @@ class FourierPositionEmbedding(nn.Module):
         self.head_dim = check_even(head_dim, "head_dim")
         self.theta = check_positive_float(theta, "theta")
         self.train_length = None if train_length is None else check_int(train_length, "train_length", minimum=1)
-        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real) or not 0.0 <= float(sigma) < math.inf:
-            raise ValueError(f"sigma must be a finite real number >= 0, got {sigma!r}")
+        if isinstance(sigma, bool) or not isinstance(sigma, numbers.Real):
+            raise TypeError(f"sigma must be a real number >= 0, got {type(sigma).__name__}")
+        if not 0.0 <= float(sigma) < math.inf:
+            raise ValueError(f"sigma must be a finite number >= 0, got {float(sigma)}")
         self.sigma = float(sigma)
         self.learned = check_bool(learned, "learned")
         self.layout = check_choice(layout, "layout", LAYOUTS)

@@ -59,7 +59,10 @@ class ResonanceSpec(RopeSpec):
     def of(cls, spec: RopeSpec) -> ResonanceSpec:
         """The resonance version of ``spec`` (its fields, its scaling)."""
         fields = {name: getattr(spec, name) for name in spec.__dataclass_fields__}
-        return cls(**fields)
+        resonance = cls(**fields)
+        resonance.frequencies()  # checked now (a wavelength rounding to 0 raises here)
+        _ = resonance.follows_length  # its cached properties filled now, not first under a trace (a lock)
+        return resonance
 
 
 class ResonanceRotaryEmbedding(RotaryEmbedding):
