@@ -19,6 +19,8 @@ def _batched(bias: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 
 
 class KerpleLogPlug(PositionPlug):
+    """``position="kerple_log"``: KERPLE's ``-r1 log(1 + r2 |i - j|)`` on the scores (:class:`~ropelib.encodings.kerple.KerpleBias`)."""
+
     label = "KERPLE (log)"
     adds_bias = True
     kind = "log"
@@ -33,11 +35,15 @@ class KerpleLogPlug(PositionPlug):
 
 
 class KerplePowerPlug(KerpleLogPlug):
+    """``position="kerple_power"``: KERPLE's ``-r1 |i - j|^r2`` on the scores (ALiBi at ``r2 = 1``)."""
+
     label = "KERPLE (power)"
     kind = "power"
 
 
 class FirePlug(PositionPlug):
+    """``position="fire"``: FIRE's MLP of the normalised distance on the scores (:class:`~ropelib.encodings.fire.FireBias`)."""
+
     label = "FIRE"
     options = frozenset({"mlp_width", "init_c", "init_threshold"})
     adds_bias = True
@@ -52,6 +58,9 @@ class FirePlug(PositionPlug):
 
 
 class CopePlug(PositionPlug):
+    """``position="cope"``: the whole scores with CoPE's gate-counted position bias
+    (:class:`~ropelib.encodings.cope.ContextualPosition`)."""
+
     label = "CoPE"
     options = frozenset({"npos"})
     computes_logits = True
