@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from ropelib import lab
+from ropelib.attention.plugs import PLUGS
 from ropelib.lab import (
     ENCODINGS,
     LabConfig,
@@ -27,6 +28,7 @@ from ropelib.lab import (
     train,
     with_rope_scaling,
 )
+from ropelib.lab.experiment import CLASSIC_ENCODINGS
 from ropelib.scaling import inverse_frequencies64
 
 TINY = LabConfig(
@@ -99,6 +101,10 @@ def test_every_encoding_builds_and_maps_tokens_to_logits(encoding):
     model = TinyTransformer(TINY, encoding)
     tokens, _ = repeat_batch(3, 8, TINY, torch.Generator().manual_seed(1))
     assert model(tokens).shape == (3, 8, TINY.vocab_size)
+    assert bool(model(tokens).isfinite().all())
+    if encoding not in CLASSIC_ENCODINGS:  # a later encoding: in every layer, through its plug
+        assert {block.attn.position for block in model.blocks} <= set(PLUGS)
+        return
     kinds = {type(block.attn.encoding).__name__ for block in model.blocks}
     expected = {"rope": {"RotaryEmbedding"}, "t5": {"T5RelativeBias"}}.get(encoding, {"NoneType"})
     assert kinds == expected

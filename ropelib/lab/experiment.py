@@ -119,7 +119,7 @@ class LabConfig:
     theta: float = 10000.0
     seeds: tuple[int, ...] = (0, 1, 2)
     tasks: tuple[str, ...] = ("repeat", "lag")
-    encodings: tuple[str, ...] = ENCODINGS
+    encodings: tuple[str, ...] = CLASSIC_ENCODINGS
     lag: int = 3
     t5_num_buckets: int = 32
     t5_max_distance: int = 32
