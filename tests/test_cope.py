@@ -12,11 +12,11 @@ import math
 
 import pytest
 import torch
-from bias_references import output_ref, sigmoid_ref
 
 from ropelib import MultiHeadAttention
 from ropelib.encodings.cope import ContextualPosition, contextual_positions
 
+from bias_references import output_ref, sigmoid_ref
 from hot_path import graph_breaks
 
 # float64 module vs float64 loops: a sigmoid, a sum of up to 8 gates and two d-term dot products

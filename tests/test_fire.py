@@ -12,12 +12,12 @@ import math
 
 import pytest
 import torch
-from bias_references import biased_scores, output_ref
 
 from ropelib import MultiHeadAttention
 from ropelib.encodings.fire import FireBias, fire_score_mod
 from ropelib.encodings.flex import flex_bias_attention
 
+from bias_references import biased_scores, output_ref
 from hot_path import graph_breaks
 from references import attention_ref
 

@@ -12,12 +12,12 @@ import math
 
 import pytest
 import torch
-from bias_references import biased_scores, output_ref, sigmoid_ref, softplus_ref
 
 from ropelib import MultiHeadAttention, relative_positions
 from ropelib.encodings.flex import flex_bias_attention
 from ropelib.encodings.kerple import KerpleBias, kerple_kernel, kerple_score_mod
 
+from bias_references import biased_scores, output_ref, sigmoid_ref, softplus_ref
 from hot_path import graph_breaks
 from references import attention_ref
 
