@@ -853,7 +853,12 @@ CASES: list[Case] = [
     ),
     gives(
         "POSITION_ENCODINGS",
-        lambda r: r == ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope"),
+        # the classic seven first, in order; each later one unique and named by its plug (its paper's name)
+        lambda r: (
+            r[:7] == ("none", "sinusoidal", "learned", "t5", "alibi", "shaw", "rope")
+            and len(set(r)) == len(r)
+            and all(rl.attention.plugs.PLUGS[name].label for name in r[7:])
+        ),
         lambda: rl.POSITION_ENCODINGS,
     ),
     raises(
