@@ -15,7 +15,8 @@ plugs build (:class:`AttentionTemperature`, :class:`LocalRotary`) and the layer 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from types import MappingProxyType
 
 import torch
 from torch import nn
@@ -141,10 +142,12 @@ def _interleaved(local: str, global_: str) -> Callable[[int, int], tuple[str, ..
 
 
 #: Hybrid name -> ``pattern(num_layers, interval)``: the ``position`` (plug name) of each layer.
-HYBRIDS: dict[str, Callable[[int, int], tuple[str, ...]]] = {
-    "irope": _interleaved("rope_chunked", "nope_temperature"),
-    "rnope_swa": _interleaved("rope_swa", "none"),
-}
+HYBRIDS: Mapping[str, Callable[[int, int], tuple[str, ...]]] = MappingProxyType(
+    {
+        "irope": _interleaved("rope_chunked", "nope_temperature"),
+        "rnope_swa": _interleaved("rope_swa", "none"),
+    }
+)
 
 
 def hybrid_layers(name: str, num_layers: int, *, interval: int = 4) -> tuple[str, ...]:

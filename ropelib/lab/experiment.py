@@ -65,7 +65,11 @@ from .tasks import IGNORE, TASKS
 #: The encodings of the book's first parts, then every other encoding :class:`~ropelib.MultiHeadAttention`
 #: takes (its :data:`~ropelib.attention.plugs.PLUGS`, with its default options), except Shaw's.
 CLASSIC_ENCODINGS = ("none", "sinusoidal", "learned", "t5", "alibi", "rope")
-ENCODINGS = CLASSIC_ENCODINGS + tuple(name for name in PLUGS if name not in (*CLASSIC_ENCODINGS, "shaw"))
+ENCODINGS = (
+    CLASSIC_ENCODINGS
+    + tuple(name for name in PLUGS if name not in (*CLASSIC_ENCODINGS, "shaw"))
+    + tuple(HYBRIDS)  # a pattern of plugs over the layers (Llama 4's iRoPE, RNoPE-SWA)
+)
 LABELS = {
     "none": "NoPE",
     "sinusoidal": "sinusoidal",
@@ -73,6 +77,8 @@ LABELS = {
     "t5": "T5 bias",
     "alibi": "ALiBi",
     "rope": "RoPE",
+    "irope": "iRoPE",
+    "rnope_swa": "RNoPE-SWA",
 }
 
 
@@ -222,6 +228,8 @@ class Block(nn.Module):
             options = {size: local} if rotary is None else {size: local, "rotary": rotary}
         elif position == "nope_temperature":
             options = {"floor_scale": local}
+        if "train_length" in PLUGS[position].options:  # FoPE clips the frequencies it cannot have learned
+            options["train_length"] = config.train_length
         self.norm1 = nn.LayerNorm(config.embed_dim)
         self.attn = MultiHeadAttention(config.embed_dim, config.num_heads, position, causal=True, **options)
         self.norm2 = nn.LayerNorm(config.embed_dim)
