@@ -24,7 +24,7 @@ from torch import nn
 from .._validation import check_choice, check_int, check_integer_tensor, check_positive_float
 from ..rotary import RotaryEmbedding
 
-#: The kinds of local attention of a RoPE layer of a hybrid: Llama 4's chunks, RNoPE-SWA's window.
+#: The kinds of local attention of a hybrid's RoPE layers (Llama 4's chunks, RNoPE-SWA's window).
 LOCAL_KINDS = ("chunk", "window")
 
 

@@ -15,9 +15,9 @@ into fresh memory the loop touches the pages of a run of tokens before writing t
 (:data:`~ropelib.kernels.native_kernel.TOUCH_BYTES`), so that their page faults come together.
 
 With a slot mapping the same pass writes the rotated k into a key/value cache, at each token's
-slot, and copies v beside it (:func:`write_kv`).
+slot, and copies v beside it (``write_kv``).
 
-This module's :func:`launch` and :func:`write_kv` are the only code that hands tensors' memory to C,
+This module's :func:`launch` and ``write_kv`` are the only code that hands tensors' memory to C,
 and they run only inside the ``ropelib`` operators' CPU kernels.
 """
 

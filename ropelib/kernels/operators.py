@@ -31,7 +31,7 @@ modules, which check their arguments first; the operators do not check again.
 ``v`` of token ``(b, s)`` into slot ``slot_mapping[b, s]`` of the caches (vLLM's slot mapping:
 ``[num_blocks, block_size, Hk, D]`` caches, or ``[num_slots, Hk, D]``; a negative slot is
 padding, not written); ``rotary_kv_write_inplace_`` does the same with ``q`` rotated in place
-(vLLM's order). Their caller is :func:`ropelib.serving.rotary_kv_cache_write`. With
+(vLLM's order). Their caller is :func:`ropelib.rotary_kv_cache_write`. With
 autograd recording and an input that requires grad it raises rather than drop the gradient.
 
 What is registered, beside the kernel (every backend; the chosen kernel touches the memory):

@@ -2,7 +2,7 @@ r"""RoPE as inference engines call it: flattened tokens and one ``cos_sin_cache`
 
 An engine batches the tokens of all its requests into one dimension and keeps one float32 table
 ``cos_sin_cache`` ``[max_positions, rotary_dim]``, row ``p`` holding ``cat(cos(p f), sin(p f))``.
-:func:`apply_rope_with_cos_sin_cache` takes FlashInfer's arguments in FlashInfer's order
+:func:`~ropelib.apply_rope_with_cos_sin_cache` takes FlashInfer's arguments in FlashInfer's order
 (``flashinfer.rope.apply_rope_with_cos_sin_cache``), so that code written for FlashInfer runs where
 FlashInfer is not installed, and follows vLLM's contract (``RotaryEmbedding.forward_native``): ``key``
 may be None, ``query``/``key`` flattened ``[tokens, heads * head_size]`` or ``[tokens, heads,
@@ -168,7 +168,7 @@ def apply_rope_with_cos_sin_cache_inplace(
     *,
     kernel: str = "auto",
 ) -> None:
-    """:func:`apply_rope_with_cos_sin_cache` writing into ``query`` and ``key`` (FlashInfer's ``_inplace``).
+    """:func:`~ropelib.apply_rope_with_cos_sin_cache` writing into ``query`` and ``key`` (FlashInfer's ``_inplace``).
 
     The same arguments; ``query`` and ``key`` must not overlap (views of different heads of one
     buffer are fine). Their version counters move, and autograd records the rotation as for any

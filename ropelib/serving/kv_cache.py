@@ -2,7 +2,7 @@ r"""RoPE fused with the write of the key/value cache, as serving engines call it
 
 A serving engine rotates the new tokens' keys once and writes them into a (paged) KV cache, where
 attention reads them at every later step; vLLM's ``reshape_and_cache_flash`` writes the slots,
-SGLang and FlashInfer fuse the rotation into that write. :func:`rotary_kv_cache_write` does both
+SGLang and FlashInfer fuse the rotation into that write. :func:`~ropelib.rotary_kv_cache_write` does both
 in one pass over ``k`` and ``v``: one call of the operator ``ropelib::rotary_kv_write_``, whose
 schema says it writes the caches (their version counters move; ``torch.compile``, ``make_fx``
 and dispatch modes see it). The two-step path (``rotary_qk``, then ``index_copy_`` of the rotated

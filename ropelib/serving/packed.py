@@ -1,7 +1,7 @@
 r"""RoPE inside a packed QKV projection: q and k rotated where they lie, v untouched (flash-attn's ``apply_rotary_emb_qkv_``).
 
 A fused projection writes queries, keys and values side by side, ``[batch, seq, Hq + 2 Hk,
-head_dim]`` (grouped-query attention) or ``[batch, seq, 3, heads, head_dim]``. :func:`rotary_qkv_`
+head_dim]`` (grouped-query attention) or ``[batch, seq, 3, heads, head_dim]``. :func:`~ropelib.rotary_qkv_`
 takes q and k as views of that buffer and rotates them in place with one call of the operator
 ``ropelib::rotary_``: no copy of q, k or v, and autograd records the rotation of each view.
 """
@@ -15,7 +15,7 @@ from ..kernels.door import rotary_qk
 
 
 def qkv_views(qkv: torch.Tensor, num_heads_q: int | None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(q, k, v)`` as views of a checked packed buffer (the forms of :func:`rotary_qkv_`).
+    """``(q, k, v)`` as views of a checked packed buffer (the forms of :func:`~ropelib.rotary_qkv_`).
 
     Single views (``select``, ``narrow``), not ``unbind``/``split``: autograd lets only those be
     modified in place.

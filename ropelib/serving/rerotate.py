@@ -1,4 +1,4 @@
-r"""Move cached keys to other positions without the unrotated keys: :func:`rerotate_keys`.
+r"""Move cached keys to other positions without the unrotated keys: :func:`~ropelib.rerotate_keys`.
 
 RoPE's rotations form a group, :math:`R(p + \delta) = R(\delta) R(p)` (each pair turns by
 :math:`(p + \delta) f_i = \delta f_i + p f_i`), so a key stored already rotated to position ``p``

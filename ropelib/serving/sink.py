@@ -9,7 +9,7 @@ keys and rotating the whole cache at every step. Attention over the cache then e
 over the kept tokens encoded from scratch at their new positions (to rounding).
 
 A reference for that identity, small and plain: the buffers are allocated once, at the first
-:meth:`SinkCache.append`, and eviction copies the window down.
+:meth:`~ropelib.SinkCache.append`, and eviction copies the window down.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""How each position encoding enters attention: one small protocol (:mod:`.base`), one class per encoding.
+r"""How each position encoding enters attention: one small protocol (``base``), one class per encoding.
 
 :data:`PLUGS` maps the ``position`` argument of :class:`~ropelib.MultiHeadAttention` to its plug;
 a new encoding is one class, in the module of its family, and one entry here.

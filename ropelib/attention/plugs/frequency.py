@@ -1,7 +1,7 @@
 """The plugs of the encodings that operate on RoPE's frequencies: p-RoPE, Resonance RoPE, FoPE.
 
 p-RoPE and Resonance RoPE are RoPE with other frequencies, so their plugs build the
-:class:`~ropelib.RotaryEmbedding` subclass and rotate as :class:`~.classic.RotaryPlug` does; FoPE's
+:class:`~ropelib.RotaryEmbedding` subclass and rotate as ``classic.RotaryPlug`` does; FoPE's
 tables are not rotations but are applied by the same operator.
 """
 

@@ -1,6 +1,6 @@
 """The plugs of the position remappings without training: ReRoPE, Leaky ReRoPE, Self-Extend, dual chunk attention.
 
-Each computes the whole score matrix (:meth:`~.base.PositionPlug.logits`) from the unrotated
+Each computes the whole score matrix (:meth:`~ropelib.attention.plugs.PositionPlug.logits`) from the unrotated
 ``q`` and ``k``, through its module of :mod:`ropelib.rotary` (several rotations per matrix). Their
 defaults are sized for the lab's models, trained at 32 positions: windows of 16, a training window
 of 32 for dual chunk attention.
