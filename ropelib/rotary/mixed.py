@@ -10,9 +10,10 @@ two patches reads their 2-D offset only, as in axial RoPE; axial RoPE
 frequencies zero (:func:`axial_frequencies`), and a mixed pair can turn along any direction of
 the grid (diagonals included).
 
-:class:`~ropelib.MultiHeadAttention` takes 1-D positions only (``[seq]`` or ``[batch, seq]``), so
-this module has its own door, as axial RoPE has: ``forward(q, k, positions)`` with ``(row,
-column)`` positions.
+This module's door, ``forward(q, k, positions)``, takes ``(row, column)`` positions, as axial
+RoPE's does. :class:`~ropelib.MultiHeadAttention`, whose positions are 1-D, carries it as
+``position="rope_mixed"``: patch ``p`` of a row-major grid ``grid_width`` patches wide is at
+``(p // grid_width, p % grid_width)`` (:mod:`ropelib.attention.plugs.mixed`).
 """
 
 from __future__ import annotations

@@ -14,6 +14,7 @@ from .frequency import FoPEPlug, PRopePlug, ResonancePlug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
 from .lie import ComRoPEPlug, LieREPlug
+from .mixed import RopeMixedPlug
 from .remap import DualChunkPlug, LeakyReRoPEPlug, ReRoPEPlug, SelfExtendPlug
 
 #: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
@@ -31,6 +32,7 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "nope_temperature": TemperaturePlug,
         "comrope": ComRoPEPlug,
         "liere": LieREPlug,
+        "rope_mixed": RopeMixedPlug,
         "kerple_log": KerpleLogPlug,
         "kerple_power": KerplePowerPlug,
         "fire": FirePlug,
