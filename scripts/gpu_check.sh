@@ -10,7 +10,8 @@
 #    with the decode-shape and model-step rows, liger-kernel and torch.compile as peers;
 # 5. python -m ropelib.bench --kv-write: the rotation fused with the paged KV-cache write (Triton)
 #    against rotary_qk + index_copy_, at the GPU decode and prefill shapes, float32 and bfloat16;
-# 6. python -m ropelib.lab --large, with whatever time is left of the 8 minutes.
+# 6. python -m ropelib.lab --large, with whatever time is left of the 8 minutes;
+# 7. python -m ropelib.lab --text --large (the lab on real text), if time is left (raise GPU_CHECK_SECONDS).
 # It writes JSON records with provenance (device, versions, date, command, each step's status and
 # seconds) into OUTDIR. A step that fails is recorded and the next one still runs.
 #
@@ -73,6 +74,9 @@ step notebooks 150 python3 -m pytest --nbmake "${notebooks[@]}" -q -p no:cachepr
 step bench 150 python3 -m ropelib.bench "${bench[@]}" --quiet --json "$out/bench_gpu_$stamp.json"
 step bench_kv_write 60 python3 -m ropelib.bench --kv-write "${kv_bench[@]}" --quiet --json "$out/bench_kv_write_gpu_$stamp.json"
 step lab 360 python3 -m ropelib.lab "${lab[@]}" --json "$out/lab_gpu_$stamp.json"
+lab_text=(--large)
+[[ $smoke == 1 ]] && lab_text=(--quick)
+step lab_text 600 python3 -m ropelib.lab --text "${lab_text[@]}" --quiet --json "$out/lab_text_gpu_$stamp.json"
 
 python3 - "$out" "$steps_json" "$stamp" <<'PY'
 import datetime, json, platform, sys
