@@ -41,7 +41,7 @@ def _warn(message: str) -> None:
 
 
 def _legacy_name(name: object, model_type: object) -> object:
-    """A ``rope_type`` / ``type`` value as ``transformers`` renames it (:data:`LEGACY_TYPES`)."""
+    """A ``rope_type`` / ``type`` value as ``transformers`` renames it (``LEGACY_TYPES``)."""
     if not isinstance(name, str):
         return name
     return LEGACY_TYPES.get(
@@ -52,7 +52,7 @@ def _legacy_name(name: object, model_type: object) -> object:
 def standard_rope_parameters(params: Mapping[str, Any], model_type: object = None) -> tuple[dict[str, Any], bool]:
     """A flat rope parameters dict as ``transformers`` standardises it: one ``rope_type``; whether it is M-RoPE.
 
-    ``rope_type`` comes first, then ``type`` (its former name); :data:`LEGACY_TYPES` are renamed.
+    ``rope_type`` comes first, then ``type`` (its former name); ``LEGACY_TYPES`` are renamed.
     ``type`` beside ``rope_type`` is dropped: where it names another scaling, ``rope_type`` is used
     (as in transformers) and a :class:`UserWarning` says so.
     """
@@ -93,7 +93,7 @@ def rope_config(config: Mapping[str, Any], *, ignore_keys: Iterable[str] = ()) -
     ``ignore_keys`` names model-specific keys of the rope parameters that are not RoPE scaling
     (Qwen2-VL's ``mrope_section``, say): they are dropped, as ``transformers``' ``ignore_keys`` lets them through.
 
-    Configs as released are read as ``transformers`` reads them (:func:`standard_rope_parameters`):
+    Configs as released are read as ``transformers`` reads them (:func:`~ropelib.config.standard_rope_parameters`):
     ``type`` for ``rope_type`` (beside it, ``rope_type`` wins), Qwen2-VL's ``"mrope"`` (default
     frequencies; ``mrope_section`` then let through, for :class:`~ropelib.MRotaryEmbedding`),
     Phi-3's ``"su"``, ``rope_scaling`` beside the ``rope_parameters`` transformers writes from it,
