@@ -170,3 +170,11 @@ def test_progress_bar_is_on_without_quiet(capsys):
     quiet.update(3)
     quiet.close()
     assert capsys.readouterr().err == ""
+
+
+def test_every_lab_encoding_is_run_or_left_out_with_a_reason():
+    from ropelib.lab import ENCODINGS
+
+    left = [name for names in text.LEFT_OUT for name in names.split()]
+    assert len(left) == len(set(left)) and not set(left) & set(text.TEXT_ENCODINGS)
+    assert set(left) | set(text.TEXT_ENCODINGS) == set(ENCODINGS)

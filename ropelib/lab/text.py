@@ -65,7 +65,8 @@ LEFT_OUT = {
     "rerope leaky_rerope self_extend dual_chunk": "remappings of a trained RoPE model at inference, not trained "
     "encodings; ReRoPE's two-pass attention is also the slowest to evaluate",
     "rope_chunked rope_swa nope_temperature irope rnope_swa": "local and hybrid layer patterns: the CPU budget",
-    "comrope liere kerple_power cope resonance_rope fope": "the CPU budget (one KERPLE, FIRE and p-RoPE kept)",
+    "comrope liere rope_mixed kerple_power cope resonance_rope fope": "the CPU budget (one KERPLE, FIRE and "
+    "p-RoPE kept; ComRoPE, LieRE and RoPE-Mixed learn rotations meant for several axes)",
 }
 #: Zero-shot rows of the RoPE model (``ntk``, ``yarn_no_temperature`` and ``logn`` are built here).
 TEXT_ZERO_SHOT = ("linear", "ntk", "dynamic", "yarn", "yarn_no_temperature", "llama3", "logn")
@@ -468,6 +469,7 @@ def run_text(config: TextConfig = SMALL_TEXT, *, device: Any = None, progress: b
         "seeds": list(config.seeds),
         "corpus": corpus.summary(),
         "left_out": LEFT_OUT,
+        "lab_encodings": list(ENCODINGS),
         "uniform_entropy": {str(m): uniform_causal_entropy(m * config.train_length) for m in config.multiples},
         "yarn_logit_scale": {str(m): (0.1 * math.log(m) + 1) ** 2 if m > 1 else 1.0 for m in config.multiples},
         "passkey": {"key_digits": KEY_DIGITS, "overhead_bytes": OVERHEAD, "chance": 10.0**-KEY_DIGITS},
