@@ -1,7 +1,9 @@
 """The extrapolation lab (``python -m ropelib.lab``): a tool on top of the library, never imported by it.
 
 See :mod:`ropelib.lab.experiment` for the experiment and its command line, :mod:`ropelib.lab.tasks`
-for the two tasks and :mod:`ropelib.lab.stats` for the summaries over seeds.
+for the two tasks and :mod:`ropelib.lab.stats` for the summaries over seeds. The lab on real text
+(``python -m ropelib.lab --text``) is :mod:`ropelib.lab.text`, with :mod:`~ropelib.lab.corpus`,
+:mod:`~ropelib.lab.passkey` and :mod:`~ropelib.lab.entropy`.
 """
 
 from .experiment import (
