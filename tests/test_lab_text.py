@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import math
@@ -10,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from ropelib.lab import corpus, entropy, passkey, text
+from ropelib.lab import ENCODINGS, corpus, entropy, passkey, text
 from ropelib.lab.experiment import TinyTransformer
 
 
@@ -173,8 +174,14 @@ def test_progress_bar_is_on_without_quiet(capsys):
 
 
 def test_every_lab_encoding_is_run_or_left_out_with_a_reason():
-    from ropelib.lab import ENCODINGS
-
     left = [name for names in text.LEFT_OUT for name in names.split()]
     assert len(left) == len(set(left)) and not set(left) & set(text.TEXT_ENCODINGS)
     assert set(left) | set(text.TEXT_ENCODINGS) == set(ENCODINGS)
+
+
+@pytest.mark.parametrize(
+    "change", [{"encodings": ("nope",)}, {"zero_shot": ("pi",)}, {"fine_tune": ("ntk",)}, {"passkey_rows": 4}]
+)
+def test_run_rejects_a_bad_configuration(change):
+    with pytest.raises(ValueError, match=next(iter(change))):
+        text.run_text(dataclasses.replace(text.QUICK_TEXT, **change), progress=False)

@@ -277,6 +277,7 @@ def fine_tune_text(
 
     Data seed ``FINE_TUNE_SEED + seed`` for every variant (the same batches); the input model is untouched.
     """
+    name = check_choice(name, "name", TEXT_FINE_TUNE)
     multiple = config.fine_tune_multiple
     scaling = None if name == "default" else scaling_for_length(name, multiple, config.train_length)
     tuned = with_rope_scaling(model, scaling)
@@ -312,6 +313,7 @@ def with_ntk(model: TinyTransformer, factor: float) -> TinyTransformer:
 
 def zero_shot_model(model: TinyTransformer, name: str, multiple: int) -> tuple[TinyTransformer, torch.Tensor | None]:
     """The RoPE model read at ``multiple * L`` with zero-shot variant ``name``, and its query scale (``logn``)."""
+    name = check_choice(name, "name", TEXT_ZERO_SHOT)
     train_length = model.config.train_length
     if name == "ntk":
         return with_ntk(model, float(multiple)), None
@@ -447,6 +449,10 @@ def run_text(config: TextConfig = SMALL_TEXT, *, device: Any = None, progress: b
     device = _device(device)
     for e in config.encodings:
         check_choice(e, "encodings", ENCODINGS)
+    for s in config.zero_shot:
+        check_choice(s, "zero_shot", TEXT_ZERO_SHOT)
+    for s in config.fine_tune:
+        check_choice(s, "fine_tune", TEXT_FINE_TUNE)
     check_int(config.passkey_rows, "passkey_rows", minimum=0, maximum=config.batch_size - 1)
     corpus = load_corpus()
     start = time.perf_counter()
