@@ -57,7 +57,8 @@ def attention_temperature(positions: torch.Tensor, *, floor_scale: int = 8192, a
         attn_scale: ``beta`` > 0.
 
     Example:
-        >>> attention_temperature(torch.tensor([0, 2, 3, 7]), floor_scale=4).tolist()[1:3]
+        >>> positions = torch.tensor([0, 2, 3, 7])
+        >>> attention_temperature(positions, floor_scale=4).tolist()[1:3]
         [1.0, 1.0693147180559945]
     """
     positions = check_integer_tensor(positions, "positions").long()

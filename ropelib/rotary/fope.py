@@ -6,8 +6,9 @@ frequencies the training length ``L`` trains, and clips the ones it does not tra
 
 .. math::
 
-    z_j(m) = \sum_{k \in K} \big(A^c_{kj} \cos \omega_k m + i\, A^s_{kj} \sin \omega_k m\big)
-    \quad (j \in K), \qquad z_j(m) = 1 \quad (j \notin K),
+    z_j(m) = \sum_{k \in K} \big(A^c_{kj} \cos \omega_k m
+             + i\, A^s_{kj} \sin \omega_k m\big) \quad (j \in K),
+    \qquad z_j(m) = 1 \quad (j \notin K),
 
 with ``omega_k = theta^{-2k/d}``, ``K = {k : omega_k >= 2 pi / L}`` (every pair when ``L`` is None)
 and ``x_j -> x_j z_j(m)``. ``A = I + (sigma / sqrt|K|) E``, ``E`` standard normal, one matrix for the
@@ -75,7 +76,7 @@ class FourierPositionEmbedding(nn.Module):
 
     Example:
         >>> fope = FourierPositionEmbedding(8, train_length=64)
-        >>> fope.kept, fope.cos_coef.shape  # 2 pi / 64 ~ 0.098: the pairs at 1 and 0.1 are kept
+        >>> fope.kept, fope.cos_coef.shape  # 2 pi / 64 ~ 0.098: keeps 1 and 0.1
         (2, torch.Size([2, 2]))
     """
 

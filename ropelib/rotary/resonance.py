@@ -32,7 +32,8 @@ def resonance_frequencies(inv_freq: torch.Tensor) -> torch.Tensor:
     Raises :class:`ValueError` when a wavelength rounds to 0 (``omega_i > 4 pi``: no integer period).
 
     Example:
-        >>> resonance_frequencies(torch.tensor([1.0, 0.0], dtype=torch.float64)).tolist()  # 2 pi -> 6
+        >>> freqs = torch.tensor([1.0, 0.0], dtype=torch.float64)
+        >>> resonance_frequencies(freqs).tolist()  # wavelength 2 pi -> 6
         [1.0471975511965976, 0.0]
     """
     if not isinstance(inv_freq, torch.Tensor) or inv_freq.dtype != torch.float64 or inv_freq.ndim != 1:
@@ -78,7 +79,8 @@ class ResonanceRotaryEmbedding(RotaryEmbedding):
 
     Example:
         >>> rope = ResonanceRotaryEmbedding(4, theta=100.0)
-        >>> [round(2 * math.pi / f, 6) for f in rope.cache.inv_freq.tolist()]  # 2 pi, 20 pi rounded
+        >>> wavelengths = 2 * math.pi / rope.cache.inv_freq  # 2 pi, 20 pi rounded
+        >>> [round(w, 6) for w in wavelengths.tolist()]
         [6.0, 63.0]
     """
 

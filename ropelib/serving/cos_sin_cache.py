@@ -147,7 +147,8 @@ def apply_rope_with_cos_sin_cache(
         >>> from ropelib import RotaryEmbedding
         >>> cache = make_cos_sin_cache(RotaryEmbedding(8), 16)
         >>> query, key = torch.randn(3, 2 * 8), torch.randn(3, 8)
-        >>> q, k = apply_rope_with_cos_sin_cache(torch.tensor([0, 5, 9]), query, key, 8, cache)
+        >>> positions = torch.tensor([0, 5, 9])
+        >>> q, k = apply_rope_with_cos_sin_cache(positions, query, key, 8, cache)
         >>> q.shape, torch.equal(q[0], query[0])  # position 0 is not rotated
         (torch.Size([3, 16]), True)
     """

@@ -148,7 +148,8 @@ def rotary_kv_cache_write(
     Example:
         >>> from ropelib import RotaryEmbedding
         >>> cos, sin = RotaryEmbedding(8).cos_sin_cache(16)
-        >>> q, k, v = torch.randn(3, 2, 8), torch.randn(3, 1, 8), torch.randn(3, 1, 8)
+        >>> q = torch.randn(3, 2, 8)
+        >>> k, v = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
         >>> k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
         >>> slots = torch.tensor([5, -1, 0])  # block 1 row 1, padding, block 0 row 0
         >>> q_rot = rotary_kv_cache_write(

@@ -83,7 +83,7 @@ def rotary_qkv_(
     Example:
         >>> from ropelib import RotaryEmbedding
         >>> cos, sin = RotaryEmbedding(8).cos_sin_cache(4)
-        >>> qkv = torch.randn(1, 4, 4 + 2 * 2, 8)  # 4 query heads, 2 key and 2 value heads
+        >>> qkv = torch.randn(1, 4, 4 + 2 * 2, 8)  # 4 q heads, 2 k, 2 v
         >>> v = qkv[:, :, 6:].clone()
         >>> out = rotary_qkv_(qkv, cos, sin, num_heads_q=4)
         >>> out is qkv, torch.equal(qkv[:, :, 6:], v)
