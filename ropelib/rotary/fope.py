@@ -6,9 +6,11 @@ frequencies the training length ``L`` trains, and clips the ones it does not tra
 
 .. math::
 
-    z_j(m) = \sum_{k \in K} \big(A^c_{kj} \cos \omega_k m
-             + i\, A^s_{kj} \sin \omega_k m\big) \quad (j \in K),
-    \qquad z_j(m) = 1 \quad (j \notin K),
+    \begin{aligned}
+    z_j(m) &= \textstyle\sum_{k \in K} \big(A^c_{kj} \cos \omega_k m
+              + i\, A^s_{kj} \sin \omega_k m\big) \quad (j \in K), \\
+    z_j(m) &= 1 \quad (j \notin K),
+    \end{aligned}
 
 with ``omega_k = theta^{-2k/d}``, ``K = {k : omega_k >= 2 pi / L}`` (every pair when ``L`` is None)
 and ``x_j -> x_j z_j(m)``. ``A = I + (sigma / sqrt|K|) E``, ``E`` standard normal, one matrix for the

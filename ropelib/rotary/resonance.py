@@ -79,7 +79,7 @@ class ResonanceRotaryEmbedding(RotaryEmbedding):
 
     Example:
         >>> rope = ResonanceRotaryEmbedding(4, theta=100.0)
-        >>> wavelengths = 2 * math.pi / rope.cache.inv_freq  # 2 pi, 20 pi rounded
+        >>> wavelengths = 2 * math.pi / rope.cache.inv_freq  # 2 pi, 20 pi
         >>> [round(w, 6) for w in wavelengths.tolist()]
         [6.0, 63.0]
     """

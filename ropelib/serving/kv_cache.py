@@ -151,7 +151,8 @@ def rotary_kv_cache_write(
         >>> q = torch.randn(3, 2, 8)
         >>> k, v = torch.randn(3, 1, 8), torch.randn(3, 1, 8)
         >>> k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
-        >>> slots = torch.tensor([5, -1, 0])  # block 1 row 1, padding, block 0 row 0
+        >>> # block 1 row 1, padding, block 0 row 0
+        >>> slots = torch.tensor([5, -1, 0])
         >>> q_rot = rotary_kv_cache_write(
         ...     q, k, v, k_cache, v_cache, slots, cos, sin, torch.tensor([7, 0, 2]))
         >>> torch.equal(v_cache[1, 1], v[0]), bool(v_cache[0, 1:].eq(0).all())
