@@ -12,7 +12,7 @@
 """
 
 from .door import rotary_qk
-from .native_build import build as build_native_kernel
+from .native_kernel import build as build_native_kernel
 from .registry import KERNEL_CHOICES, KERNELS, choose_kernel
 
 __all__ = ["KERNELS", "KERNEL_CHOICES", "build_native_kernel", "choose_kernel", "rotary_qk"]

@@ -303,17 +303,3 @@ class NativeBuild:
         if self._failure is not None:
             return f"not available: {self._failure.splitlines()[0]}"
         return f"not built yet (cache folder {cache_dir()})"
-
-
-def build() -> Library:
-    """Build (or load from the cache) the native kernel now, blocking; :class:`BuildFailed` if it cannot be.
-
-    Example:
-        >>> from ropelib.kernels import native_build
-        >>> library = native_build.build()  # where a C compiler builds it
-        >>> library.functions.keys() == native_build.ENTRY_POINTS.keys()
-        True
-    """
-    from .native_kernel import BUILD  # the process's build lives beside the code that verifies it
-
-    return BUILD.library()

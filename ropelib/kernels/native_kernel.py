@@ -256,3 +256,15 @@ def verify(library: Library) -> None:
 
 #: This process's native library, verified on loading.
 BUILD = NativeBuild(verify)
+
+
+def build() -> Library:
+    """Build (or load from the cache) the native kernel now, blocking; :class:`~ropelib.kernels.native_build.BuildFailed` if it cannot be.
+
+    Example:
+        >>> from ropelib.kernels import native_build, native_kernel
+        >>> library = native_kernel.build()  # where a C compiler builds it
+        >>> library.functions.keys() == native_build.ENTRY_POINTS.keys()
+        True
+    """
+    return BUILD.library()

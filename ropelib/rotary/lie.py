@@ -22,6 +22,8 @@ matrix exponential per block, position and head (``torch.linalg.matrix_exp``), a
 
 from __future__ import annotations
 
+import abc
+
 import torch
 from torch import nn
 
@@ -66,7 +68,7 @@ def skew(w: torch.Tensor) -> torch.Tensor:
     return (w - w.transpose(-1, -2)) / 2
 
 
-class _LieRotation(nn.Module):
+class _LieRotation(nn.Module, abc.ABC):
     """What ComRoPE and LieRE share: the positions, the exponential, the rotation of ``q`` and ``k``."""
 
     def __init__(self, head_dim: int, axes: int, block_size: int | None, num_heads: int) -> None:
@@ -77,9 +79,9 @@ class _LieRotation(nn.Module):
         self.num_heads = check_int(num_heads, "num_heads", minimum=1)
         self.num_blocks = self.head_dim // self.block_size
 
+    @abc.abstractmethod
     def generators(self) -> torch.Tensor:
         """``A_a`` as blocks: ``[num_heads, axes, num_blocks, b, b]``, skew-symmetric."""
-        raise NotImplementedError
 
     def rotation_matrices(self, positions: torch.Tensor) -> torch.Tensor:
         """``exp(sum_a p_a A_a)`` per block: ``positions`` ``[..., axes]`` -> ``[..., num_heads, num_blocks, b, b]``."""

@@ -18,6 +18,7 @@ scores ``[batch, heads, seq, seq]`` out, as :class:`~ropelib.MultiHeadAttention`
 
 from __future__ import annotations
 
+import abc
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -167,7 +168,7 @@ def check_relative_positions(positions: object) -> torch.Tensor:
     return check_positions(positions, "positions", batch=batch, seq_len=positions.shape[-1])
 
 
-class RemappedRotary(nn.Module):
+class RemappedRotary(nn.Module, abc.ABC):
     """A RoPE scored at remapped relative positions: its :class:`~ropelib.RotaryEmbedding` and a scheme's pieces.
 
     Subclasses (:class:`~ropelib.rotary.rerope.ReRoPE`, :class:`~ropelib.rotary.self_extend.SelfExtend`,
@@ -185,9 +186,9 @@ class RemappedRotary(nn.Module):
         if self.rope.spec.follows_length:
             raise ValueError("a remapped RoPE needs fixed frequencies: no dynamic or longrope scaling")
 
+    @abc.abstractmethod
     def pieces(self, positions: torch.Tensor) -> list[Piece]:
         """The scheme's pieces for checked int64 ``positions``: RoPE's own first, then the past's."""
-        raise NotImplementedError
 
     def relative(self, positions: torch.Tensor) -> torch.Tensor:
         """The relative position each pair is scored at, ``[.., seq, seq]`` (:func:`relative_map`)."""
