@@ -153,8 +153,9 @@ def rotary_kv_cache_write(
         >>> k_cache, v_cache = torch.zeros(2, 4, 1, 8), torch.zeros(2, 4, 1, 8)
         >>> # block 1 row 1, padding, block 0 row 0
         >>> slots = torch.tensor([5, -1, 0])
+        >>> positions = torch.tensor([7, 0, 2])
         >>> q_rot = rotary_kv_cache_write(
-        ...     q, k, v, k_cache, v_cache, slots, cos, sin, torch.tensor([7, 0, 2]))
+        ...     q, k, v, k_cache, v_cache, slots, cos, sin, positions)
         >>> torch.equal(v_cache[1, 1], v[0]), bool(v_cache[0, 1:].eq(0).all())
         (True, True)
     """
