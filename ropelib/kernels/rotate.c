@@ -22,7 +22,8 @@
  * exactly what the PyTorch kernel computes, so the two agree bit for
  * bit. float16 and bfloat16 are converted as PyTorch converts them.
  *
- * Threads: the tokens are split into runs, one per OpenMP thread; in a
+ * Threads: the tokens are split into runs, one per OpenMP thread, each
+ * rotating its tokens' q and then their k; in a
  * process that has imported torch the library shares torch's OpenMP
  * runtime. A token whose position is outside [0, L) is left unwritten
  * and counted, and the count returned (the caller checks first).
@@ -120,6 +121,9 @@ static inline uint16_t f16_store(float f) {
     return (uint16_t)((sign >> 16) |
                       (shl1_w > 0xFF000000u ? 0x7E00u : nonsign));
 }
+
+/* Which tensors a pass over the tokens rotates (rotate_loop.h). */
+enum { PASS_Q = 1, PASS_K = 2, PASS_BOTH = 3 };
 
 /* The loops are specialised per layout and direction by inlining with
  * constant flags. */

@@ -123,12 +123,12 @@ static inline ROPELIB_INLINE S *NAME(key_row)(const struct call *g,
     return k_out + block * g->kob + row * g->kos;
 }
 
-/* Tokens [t0, t1) of the flattened [B, S] in one layout and direction;
- * returns how many had a position outside [0, L) or a slot past the
- * cache (left unwritten). */
+/* Tokens [t0, t1) of the flattened [B, S] in one layout and direction,
+ * rotating q, k or both (`which`); returns how many had a position
+ * outside [0, L) or a slot past the cache (left unwritten). */
 static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
     const struct call *g, int64_t t0, int64_t t1, const int interleaved,
-    const int inverse) {
+    const int inverse, const int which) {
     const C *cos = (const C *)g->cos, *sin = (const C *)g->sin;
     const S *q = (const S *)g->q, *k = (const S *)g->k;
     S *q_out = (S *)g->q_out, *k_out = (S *)g->k_out;
@@ -140,13 +140,14 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
         const int64_t b = t / seq, s = t % seq;
         if (g->touch > 0 && (t - t0) % g->touch == 0) {
             const int64_t end = t + g->touch < t1 ? t + g->touch : t1;
-            if (g->q_heads > 0) NAME(touch_pages)(q_out, t, end, g->qos);
-            if (g->k_heads > 0 && !cached)
+            if ((which & PASS_Q) && g->q_heads > 0)
+                NAME(touch_pages)(q_out, t, end, g->qos);
+            if ((which & PASS_K) && g->k_heads > 0 && !cached)
                 NAME(touch_pages)(k_out, t, end, g->kos);
         }
         const int64_t p = g->pos[b * g->pb + s * g->ps];
         if (p < 0 || p >= g->length) {
-            ++bad;
+            bad += (which & PASS_Q) != 0; /* counted once per token */
             continue;
         }
         const C *c = cos + p * r2, *sn = sin + p * r2;
@@ -156,9 +157,12 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
                 ws[2 * i] = inverse ? sn[i] : -sn[i];
                 ws[2 * i + 1] = inverse ? -sn[i] : sn[i];
             }
-        NAME(heads)(q + b * g->qb + s * g->qs,
-                    q_out + b * g->qob + s * g->qos, g->q_heads, g->qh,
-                    g->qoh, c, sn, wc, ws, r2, dim, interleaved, inverse);
+        if (which & PASS_Q)
+            NAME(heads)(q + b * g->qb + s * g->qs,
+                        q_out + b * g->qob + s * g->qos, g->q_heads, g->qh,
+                        g->qoh, c, sn, wc, ws, r2, dim, interleaved,
+                        inverse);
+        if (!(which & PASS_K)) continue;
         S *k_row = NAME(key_row)(g, b, s, &bad);
         if (k_row)
             NAME(heads)(k + b * g->kb + s * g->ks, k_row, g->k_heads,
@@ -168,13 +172,25 @@ static inline ROPELIB_INLINE int64_t NAME(tokens_in)(
     return bad;
 }
 
-/* tokens_in for the call's layout and direction, each its own loop. */
+/* A thread's tokens: all of q, then all of k (two long streams, which
+ * ran faster than q and k by turns), or both in one pass when k and v
+ * go to a cache. */
+static inline ROPELIB_INLINE int64_t NAME(passes)(
+    const struct call *g, int64_t t0, int64_t t1, const int interleaved,
+    const int inverse) {
+    if (g->slots)
+        return NAME(tokens_in)(g, t0, t1, interleaved, inverse, PASS_BOTH);
+    return NAME(tokens_in)(g, t0, t1, interleaved, inverse, PASS_Q) +
+           NAME(tokens_in)(g, t0, t1, interleaved, inverse, PASS_K);
+}
+
+/* The passes for the call's layout and direction, each its own loop. */
 static int64_t NAME(tokens)(const struct call *g, int64_t t0, int64_t t1) {
     if (g->interleaved)
-        return g->conjugate ? NAME(tokens_in)(g, t0, t1, 1, 1)
-                            : NAME(tokens_in)(g, t0, t1, 1, 0);
-    return g->conjugate ? NAME(tokens_in)(g, t0, t1, 0, 1)
-                        : NAME(tokens_in)(g, t0, t1, 0, 0);
+        return g->conjugate ? NAME(passes)(g, t0, t1, 1, 1)
+                            : NAME(passes)(g, t0, t1, 1, 0);
+    return g->conjugate ? NAME(passes)(g, t0, t1, 0, 1)
+                        : NAME(passes)(g, t0, t1, 0, 0);
 }
 
 /* The entry point: all tokens, split into `threads` contiguous runs,
