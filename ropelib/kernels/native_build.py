@@ -125,7 +125,9 @@ def _processor() -> str:
     """What ``-march=native`` tunes for: the first processor's model and feature flags where Linux says."""
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
-            lines = [line for line in f if line.startswith(("vendor_id", "model name", "flags", "Features", "CPU part"))]
+            lines = [
+                line for line in f if line.startswith(("vendor_id", "model name", "flags", "Features", "CPU part"))
+            ]
         return "".join(dict.fromkeys(lines))
     except OSError:
         return platform.machine() + platform.processor()
