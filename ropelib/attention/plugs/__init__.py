@@ -10,6 +10,7 @@ from types import MappingProxyType
 
 from .base import AttentionLayer, PositionPlug, relative_from_positions
 from .classic import AlibiPlug, LearnedPlug, RotaryPlug, ShawPlug, SinusoidalPlug, T5Plug
+from .decay import XPosPlug
 from .frequency import FoPEPlug, PRopePlug, ResonancePlug
 from .hybrid import ChunkedRotaryPlug, SlidingRotaryPlug, TemperaturePlug
 from .learned import CopePlug, FirePlug, KerpleLogPlug, KerplePowerPlug
@@ -44,6 +45,7 @@ PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
         "leaky_rerope": LeakyReRoPEPlug,
         "self_extend": SelfExtendPlug,
         "dual_chunk": DualChunkPlug,
+        "xpos": XPosPlug,
     }
 )
 
