@@ -332,7 +332,33 @@ def test_run_writes_every_row_with_one_value_per_seed():
     seed_0, seed_1, _ = record["tasks"]["repeat"]["rope"]["final_train_loss"]
     assert seed_0 != seed_1  # the seeds are different runs
     table = lab.format_table(record, "repeat")
-    assert "n/a" in table and "rope+yarn+ft" in table and "±" in table
+    assert "n/a" in table and "±" in table
+    # rows by method name, never by row code
+    assert all(name in table for name in ("YaRN, fine-tuned", "PI", "dynamic NTK", "RoPE, fine-tuned", "T5 bias"))
+    assert "rope+" not in table and "linear" not in table
+
+
+def test_row_labels_are_method_names():
+    assert lab.row_label("rope+linear") == "PI" and lab.row_label("rope+ntk") == "NTK-aware"
+    assert lab.row_label("rope+yarn+ft") == "YaRN, fine-tuned" and lab.row_label("rope+ft") == "RoPE, fine-tuned"
+    assert lab.row_label("rope+llama3") == "Llama 3" and lab.row_label("none") == "NoPE"
+    assert lab.row_label("xpos") == "xPos" and lab.row_label("rnope_swa") == "RNoPE-SWA"
+    for bad in ("rope+nope", "rope+linear+tuned", "nonsense"):
+        with pytest.raises(ValueError, match="not a row"):
+            lab.row_label(bad)
+    # every row a record can hold has a name that is not its code
+    names = ["rope+ft"] + [f"rope+{s}" for s in lab.SCALING_LABELS] + [f"rope+{s}+ft" for s in lab.SCALING_LABELS]
+    assert all("+" not in lab.row_label(n) and "_" not in lab.row_label(n) for n in names + list(lab.ENCODINGS))
+
+
+def test_help_points_at_the_text_lab(capsys):
+    with pytest.raises(SystemExit):
+        lab.main(["--help"])
+    out = capsys.readouterr().out
+    assert "--text" in out and "python -m ropelib.lab --text --help" in " ".join(out.split())
+    with pytest.raises(SystemExit):  # --text hands the command line to the text lab's parser
+        lab.main(["--text", "--help"])
+    assert "python -m ropelib.lab --text" in capsys.readouterr().out
 
 
 def test_quick_cli_writes_a_valid_record(tmp_path, monkeypatch, capsys):
@@ -347,7 +373,7 @@ def test_quick_cli_writes_a_valid_record(tmp_path, monkeypatch, capsys):
     assert saved["provenance"]["wall_seconds"] == saved["wall_seconds"]
     captured = capsys.readouterr()
     assert captured.err == ""  # --quiet: no progress lines
-    assert "rope+yarn+ft" in captured.out
+    assert "YaRN, fine-tuned" in captured.out and "rope+" not in captured.out
 
 
 def test_the_real_quick_and_large_configurations_parse_and_build(capsys):

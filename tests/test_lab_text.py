@@ -11,6 +11,7 @@ import shutil
 import pytest
 import torch
 
+from ropelib import lab
 from ropelib.lab import ENCODINGS, corpus, entropy, passkey, text
 from ropelib.lab.experiment import TinyTransformer
 
@@ -146,7 +147,10 @@ def test_training_batch_mixes_passkey_rows(stdlib_corpus):
 def test_cli_writes_the_record(tmp_path, capsys):
     path = tmp_path / "lab_text.json"
     text.main(["--text", "--quick", "--quiet", "--json", str(path)])
-    assert capsys.readouterr().err == ""  # --quiet: no progress bar
+    captured = capsys.readouterr()
+    assert captured.err == ""  # --quiet: no progress bar
+    table = captured.out  # rows by method name, never by row code
+    assert "YaRN, fine-tuned" in table and "log-n scaling" in table and "ALiBi" in table and "rope+" not in table
     record = json.loads(path.read_text())
     for key in ("config", "seeds", "corpus", "rows", "uniform_entropy", "left_out", "provenance"):
         assert key in record
@@ -177,6 +181,16 @@ def test_every_lab_encoding_is_run_or_left_out_with_a_reason():
     left = [name for names in text.LEFT_OUT for name in names.split()]
     assert len(left) == len(set(left)) and not set(left) & set(text.TEXT_ENCODINGS)
     assert set(left) | set(text.TEXT_ENCODINGS) == set(ENCODINGS)
+    assert all(reason.strip() for reason in text.LEFT_OUT.values())
+    assert "xpos" in text.TEXT_ENCODINGS  # the decaying rotation is trained like RoPE
+
+
+def test_the_main_lab_command_line_runs_the_text_lab(tmp_path, capsys):
+    path = tmp_path / "via_main.json"
+    lab.main(["--text", "--quick", "--quiet", "--json", str(path)])
+    record = json.loads(path.read_text())
+    assert record["kind"] == "lab_text" and record["provenance"]["command"].startswith("python -m ropelib.lab --text")
+    assert "wrote" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize(

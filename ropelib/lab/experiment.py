@@ -27,6 +27,7 @@ Command line::
     python -m ropelib.lab --quick                       # the chapter's live cell (under a minute)
     python -m ropelib.lab --large                       # the larger run, meant for one GPU
     python -m ropelib.lab --large --dry-run             # build every model and batch, train nothing
+    python -m ropelib.lab --text --help                 # the lab on real text (ropelib.lab.text)
 """
 
 from __future__ import annotations
@@ -85,6 +86,40 @@ LABELS = {
 def label_of(encoding: str) -> str:
     """The name of an encoding in the lab's tables and figures (:data:`LABELS`, else its plug's label)."""
     return LABELS.get(encoding) or PLUGS[encoding].label or encoding
+
+
+#: The method names of the RoPE rows' scalings (the row codes ``rope+<scaling>`` use the registry's keys).
+SCALING_LABELS = {
+    "linear": "PI",
+    "ntk": "NTK-aware",
+    "dynamic": "dynamic NTK",
+    "yarn": "YaRN",
+    "yarn_no_temperature": "YaRN, no temperature",
+    "llama3": "Llama 3",
+    "logn": "log-n scaling",
+}
+
+
+def row_label(row: str) -> str:
+    """The name of a row of a lab record in tables and figures: a method's name, never the row's code.
+
+    An encoding's row is :func:`label_of`; ``rope+<scaling>`` (RoPE read zero-shot with a scaling)
+    is the scaling's method name; ``rope+<scaling>+ft`` and ``rope+ft`` are the fine-tuned ones.
+
+    Example:
+        >>> [row_label(r) for r in ("alibi", "rope+linear", "rope+yarn+ft", "rope+ft")]
+        ['ALiBi', 'PI', 'YaRN, fine-tuned', 'RoPE, fine-tuned']
+    """
+    if row == "rope+ft":
+        return "RoPE, fine-tuned"
+    if row.startswith("rope+"):
+        scaling, _, tuned = row[len("rope+") :].partition("+")
+        if scaling not in SCALING_LABELS or tuned not in ("", "ft"):
+            raise ValueError(f"not a row of a lab record: {row!r}")
+        return SCALING_LABELS[scaling] + (", fine-tuned" if tuned else "")
+    if row not in PLUGS and row not in LABELS:
+        raise ValueError(f"not a row of a lab record: {row!r}")
+    return label_of(row)
 
 
 #: The registered scalings that can be built from a factor and the training length alone.
@@ -606,14 +641,17 @@ def _new_rows(config: LabConfig) -> dict[str, dict[str, Any]]:
     if "rope" not in config.encodings:
         return rows
     for s in config.zero_shot:
-        row = _new_row(f"RoPE + {s} (zero-shot)", "zero-shot", config)
+        row = _new_row(row_label(f"rope+{s}"), "zero-shot", config)
         row["scaling"] = {
             str(m): scaling_for_length(s, m, config.train_length, config.dynamic_factor) for m in config.multiples
         }
         rows[f"rope+{s}"] = row
     for s in config.fine_tune:
-        name, label = ("rope+ft", "RoPE fine-tuned") if s == "default" else (f"rope+{s}+ft", f"RoPE + {s} fine-tuned")
-        rows[name] = {**_new_row(label, "fine-tuned", config, config.fine_tune_multiples), "fine_tune_seconds": []}
+        name = "rope+ft" if s == "default" else f"rope+{s}+ft"
+        rows[name] = {
+            **_new_row(row_label(name), "fine-tuned", config, config.fine_tune_multiples),
+            "fine_tune_seconds": [],
+        }
     return rows
 
 
@@ -757,14 +795,17 @@ def provenance(command: str, device: torch.device | str | None = None) -> dict[s
 
 
 def format_table(record: dict[str, Any], task: str | None = None, metric: str = "accuracy") -> str:
-    """One task's ``metric`` (``"accuracy"`` or ``"loss"``) as mean ± std over seeds, fixed-width text."""
+    """One task's ``metric`` (``"accuracy"`` or ``"loss"``) as mean ± std over seeds, fixed-width text.
+
+    Rows are named by :func:`row_label` (``PI``, ``YaRN, fine-tuned``, ...), columns by test length.
+    """
     task = next(iter(record["tasks"])) if task is None else task
     rows = record["tasks"][task]
     multiples = list(next(iter(rows.values()))[metric])
     lines = [f"{task} ({metric}, mean ± std over {len(record['seeds'])} seeds)"]
-    lines.append(f"{'row':<16}" + "".join(f"{m + 'x':>15}" for m in multiples))
+    lines.append(f"{'':<16}" + "".join(f"{m + 'L':>15}" for m in multiples))
     for name, row in rows.items():
-        lines.append(f"{name:<16}" + "".join(f"{format_mean_std(v, 3):>15}" for v in row[metric].values()))
+        lines.append(f"{row_label(name):<16}" + "".join(f"{format_mean_std(v, 3):>15}" for v in row[metric].values()))
     return "\n".join(lines)
 
 
@@ -794,7 +835,17 @@ def dry_run(config: LabConfig, device: torch.device | str | None = None) -> dict
 
 
 def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ropelib.lab", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(
+        prog="python -m ropelib.lab",
+        description=__doc__.split("\n\n")[0],
+        epilog="The lab on real text (byte-level models on Python's standard library, passkey retrieval, "
+        "attention entropy) is the other run: python -m ropelib.lab --text --help lists its options.",
+    )
+    parser.add_argument(
+        "--text",
+        action="store_true",
+        help="run the lab on real text instead (ropelib.lab.text; its own options: --text --help)",
+    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the chapter's live configuration (under a minute)")
     size.add_argument("--large", action="store_true", help="the larger configuration (meant for one GPU)")
@@ -818,6 +869,11 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line (see the module docstring); returns the record (or the dry run's parameter counts)."""
+    words = sys.argv[1:] if argv is None else list(argv)
+    if "--text" in words:  # the lab on text parses its own options
+        from .text import main as text_main
+
+        return text_main(words)
     args = _parse(argv)
     config = config_from_args(args)
     if args.dry_run:

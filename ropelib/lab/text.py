@@ -51,6 +51,7 @@ from .experiment import (
     _one_thread_on_cpu,
     label_of,
     provenance,
+    row_label,
     scaling_for_length,
     warmup_cosine,
     with_rope_scaling,
@@ -434,11 +435,10 @@ def _new_rows(config: TextConfig) -> dict[str, dict[str, Any]]:
     }
     if "rope" in config.encodings:
         for s in config.zero_shot:
-            rows[f"rope+{s}"] = _new_row(f"RoPE + {s} (zero-shot)", "zero-shot", config.multiples, config)
+            rows[f"rope+{s}"] = _new_row(row_label(f"rope+{s}"), "zero-shot", config.multiples, config)
         for s in config.fine_tune:
             name = "rope+ft" if s == "default" else f"rope+{s}+ft"
-            label = "RoPE fine-tuned" if s == "default" else f"RoPE + {s} fine-tuned"
-            rows[name] = _new_row(label, "fine-tuned", (config.fine_tune_multiple,), config)
+            rows[name] = _new_row(row_label(name), "fine-tuned", (config.fine_tune_multiple,), config)
     return rows
 
 
@@ -530,12 +530,12 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
 
 
 def format_text_table(record: dict[str, Any]) -> str:
-    """Perplexity ``exp(mean loss over seeds)`` per row and test multiple, fixed-width text."""
+    """Perplexity ``exp(mean loss over seeds)`` per row (named by :func:`~ropelib.lab.row_label`) and test length."""
     multiples = list(record["config"]["multiples"])
-    lines = [f"{'row':<26}" + "".join(f"{str(m) + 'x':>9}" for m in multiples)]
+    lines = [f"{'':<34}" + "".join(f"{str(m) + 'L':>9}" for m in multiples)]
     for name, row in record["rows"].items():
         cells = [row["loss"][str(m)] for m in multiples]
-        lines.append(f"{name:<26}" + "".join(f"{perplexity(c):>9.2f}" if c else f"{'-':>9}" for c in cells))
+        lines.append(f"{row_label(name):<34}" + "".join(f"{perplexity(c):>9.2f}" if c else f"{'-':>9}" for c in cells))
     return "perplexity (exp of the mean loss over seeds)\n" + "\n".join(lines)
 
 
