@@ -119,7 +119,7 @@ def _blocks(
 def rotate_few(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rotation of a few tokens (decoding) in six list operations for q and k together; new outputs.
+    """The rotation of a few tokens (decoding) in three list operations for q and k together, rows widened first; new outputs.
 
     ``R x = x * (c, c) + swap(x) * (-s, s)`` with ``swap`` exchanging the members of each pair: one
     ``_foreach_mul`` for the products with ``c``, one for those with the signed ``s``, one
