@@ -1,0 +1,253 @@
+"""The front page's verdicts that rest on the lab, held against the committed records.
+
+``book/index.md`` judges the seed post's claims in a table (``(seed-claims)=``). Two rows rest
+on the extrapolation lab (they cite ``lab-reading`` or ``wp-seed-lab``): absolute encodings
+cannot handle sequences longer than the training maximum, and relative encodings still extend
+well past it. This file reads each row's verdict words from the page and derives the verdict
+from ``results/lab_cpu.json`` (two synthetic tasks) and from ``results/lab_text_cpu.json`` (the
+lab on real text, which the table's lead paragraph cites) with the chapters' statistics: a
+one-sided Welch test per comparison, Holm's correction over every comparison made on one
+record (:mod:`ropelib.lab.stats`). A record that changed a verdict fails here.
+
+The orderings a verdict's prose describes without calling them significant (which encoding
+loses least) are checked as the chapters check such statements: separated, every seed of one
+row beyond every seed of the other.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from ropelib.lab import mean_std, separated
+from ropelib.lab.stats import holm, welch_p_value
+
+ROOT = Path(__file__).resolve().parents[1]
+INDEX = ROOT / "book" / "index.md"
+LAB_REFS = ("{ref}`lab-reading`", "{ref}`wp-seed-lab`")
+VERDICTS = ("holds with qualification", "does not hold", "holds")
+#: the encodings of the seed post's two families that the records hold
+RELATIVE = ("t5", "alibi", "rope")
+#: a phrase of each lab row's claim -> the key of its verdict below
+ROW_KEYS = {
+    "cannot handle sequences longer than the training maximum": "absolute",
+    "extend well beyond the training length": "relative",
+}
+
+
+# ----------------------------------------------------------------------------- the page
+
+
+def claims_section() -> str:
+    text = INDEX.read_text(encoding="utf-8")
+    start = text.index("(seed-claims)=")
+    heading = text.index("\n## ", start)  # the section's own heading follows its label
+    end = text.find("\n## ", heading + 1)
+    return text[start : None if end < 0 else end]
+
+
+def claims_table() -> list[dict[str, str]]:
+    """The rows of the seed-claims table: ``{"claim", "checked", "verdict"}``."""
+    rows = []
+    for line in claims_section().splitlines():
+        if not line.startswith("|") or line.startswith("| ---") or line.startswith("| The seed post says"):
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
+        assert len(cells) == 3, line
+        rows.append(dict(zip(("claim", "checked", "verdict"), cells)))
+    return rows
+
+
+def verdict_words(cell: str) -> str:
+    """The bold verdict a cell starts with, lower case: ``"holds"``, ``"holds with qualification"``, ``"does not hold"``."""
+    match = re.match(r"\*\*(Holds with qualification|Holds|Does not hold)\b", cell)
+    assert match, cell[:80]
+    return match.group(1).lower()
+
+
+def lab_rows() -> dict[str, dict[str, str]]:
+    """The rows that rest on the lab, by :data:`ROW_KEYS`."""
+    found = {}
+    for row in claims_table():
+        if any(ref in row["checked"] for ref in LAB_REFS):
+            keys = [key for phrase, key in ROW_KEYS.items() if phrase in row["claim"]]
+            assert len(keys) == 1, f"a row resting on the lab with no check here: {row['claim']}"
+            found[keys[0]] = row
+    return found
+
+
+# ----------------------------------------------------------------------------- the statistics
+
+
+class Family:
+    """Every comparison made on one record: one-sided Welch p-values, Holm's correction over all."""
+
+    def __init__(self) -> None:
+        self.p: dict[str, float] = {}
+
+    def better(self, label: str, high: list[float], low: list[float]) -> str:
+        assert label not in self.p, label
+        self.p[label] = welch_p_value(high, low)
+        return label
+
+    def significant(self, alpha: float = 0.05) -> set[str]:
+        labels = list(self.p)
+        return {label for label, ok in zip(labels, holm([self.p[k] for k in labels], alpha=alpha)) if ok}
+
+
+def load(name: str) -> dict:
+    return json.loads((ROOT / "results" / name).read_text(encoding="utf-8"))
+
+
+def verdict_of(runs_past: bool, fails_past: bool) -> str:
+    """Absolute encodings cannot handle longer sequences: the verdict from what the record shows.
+
+    Neither absolute encoding can run past ``L``: the claim holds. One runs (the sinusoidal table
+    extends to any position) and still fails there: it holds, but the cause is not that the table
+    is fixed. One runs and does not fail: it does not hold.
+    """
+    if not runs_past:
+        return "holds"
+    return "holds with qualification" if fails_past else "does not hold"
+
+
+def relative_verdict(degraded: dict[str, bool]) -> str:
+    """Relative encodings extend well: does not hold if one of them degrades significantly past ``L``."""
+    if any(degraded.values()):
+        return "does not hold"
+    return "holds"
+
+
+# ----------------------------------------------------------------------------- the records' verdicts
+
+
+def lab_verdicts(record: dict) -> dict[str, str]:
+    """The two verdicts from the synthetic tasks' record (accuracy per seed; every task must agree)."""
+    tasks = record["tasks"]
+    family = Family()
+    far = [m for m in record["config"]["multiples"] if m > 1]
+    acc = {task: {row: rows[row]["accuracy"] for row in rows} for task, rows in tasks.items()}
+    learned_runs = any(acc[t]["learned"][str(m)] is not None for t in tasks for m in far)
+    sin_runs = all(acc[t]["sinusoidal"][str(m)] is not None for t in tasks for m in far)
+    sin_drop = {t: family.better(f"{t}: sinusoidal L > 2L", acc[t]["sinusoidal"]["1"], acc[t]["sinusoidal"]["2"])
+                for t in tasks}  # fmt: skip
+    drops = {
+        (e, t): [family.better(f"{t}: {e} L > {m}L", acc[t][e]["1"], acc[t][e][str(m)]) for m in far]
+        for e in RELATIVE
+        for t in tasks
+    }
+    significant = family.significant()
+    fails = all(sin_drop[t] in significant for t in tasks)
+    # a relative encoding degrades if it falls significantly past L on every task
+    degraded = {e: all(any(lab in significant for lab in drops[e, t]) for t in tasks) for e in RELATIVE}
+    return {
+        "absolute": verdict_of(sin_runs or learned_runs, fails),
+        "relative": relative_verdict(degraded),
+        "degraded": sorted(e for e, d in degraded.items() if d),  # type: ignore[dict-item]
+    }
+
+
+def retrieval(row: dict, m: int) -> list[float]:
+    """Passkey retrieval per seed at ``m L``: the mean over needle depths."""
+    by_depth = list(row["passkey"][str(m)].values())
+    return [sum(seed) / len(seed) for seed in zip(*by_depth)]
+
+
+def text_verdicts(record: dict) -> dict[str, str]:
+    """The two verdicts from the text record: passkey retrieval per seed (the text lab's retrieval test)."""
+    rows = record["rows"]
+    family = Family()
+    far = [m for m in record["config"]["multiples"] if m > 1]
+    left_out = {name for names in record["left_out"] for name in names.split()}
+    # the learned table is left out because it has no row past L: it cannot be run there
+    learned_runs = "learned" in rows
+    assert learned_runs or ("learned" in left_out and "past L" in record["left_out"]["learned"])
+    sin_runs = all(rows["sinusoidal"]["passkey"][str(m)] for m in far)
+    sin_drop = family.better("sinusoidal L > 2L", retrieval(rows["sinusoidal"], 1), retrieval(rows["sinusoidal"], 2))
+    drops = {e: [family.better(f"{e} L > {m}L", retrieval(rows[e], 1), retrieval(rows[e], m)) for m in far]
+             for e in RELATIVE}  # fmt: skip
+    significant = family.significant()
+    degraded = {e: any(label in significant for label in drops[e]) for e in RELATIVE}
+    return {
+        "absolute": verdict_of(sin_runs or learned_runs, sin_drop in significant),
+        "relative": relative_verdict(degraded),
+        "degraded": sorted(e for e, d in degraded.items() if d),  # type: ignore[dict-item]
+    }
+
+
+# ----------------------------------------------------------------------------- the tests
+
+
+def test_the_page_has_the_two_lab_rows_and_their_verdicts_parse():
+    rows = lab_rows()
+    assert set(rows) == set(ROW_KEYS.values())
+    assert all(verdict_words(row["verdict"]) in VERDICTS for row in rows.values())
+    assert verdict_words("**Holds with qualification.** x") == "holds with qualification"
+    assert verdict_words("**Does not hold** in general.") == "does not hold"
+    with pytest.raises(AssertionError):
+        verdict_words("Holds, more or less")
+
+
+@pytest.mark.parametrize("key", sorted(set(ROW_KEYS.values())))
+def test_each_lab_verdict_is_the_synthetic_record_s(key):
+    assert verdict_words(lab_rows()[key]["verdict"]) == lab_verdicts(load("lab_cpu.json"))[key]
+
+
+@pytest.mark.parametrize("key", sorted(set(ROW_KEYS.values())))
+def test_the_lab_on_text_backs_each_verdict_as_the_lead_paragraph_says(key):
+    lead = claims_section().split("\n| ")[0]
+    assert "{ref}`lab-text`" in lead  # the paragraph says the text lab backs the verdicts
+    assert verdict_words(lab_rows()[key]["verdict"]) == text_verdicts(load("lab_text_cpu.json"))[key]
+
+
+def test_the_relative_row_s_prose_matches_the_synthetic_record():
+    """T5 and RoPE degrade on both tasks; on repeat ALiBi loses least, then T5, then RoPE; ALiBi
+    does not learn lag at L; the sinusoidal model falls further than T5 on both tasks."""
+    record = load("lab_cpu.json")
+    prose = lab_rows()["relative"]["verdict"]
+    assert "T5 and RoPE lose accuracy beyond $L$ on both tasks" in prose
+    assert {"rope", "t5"} <= set(lab_verdicts(record)["degraded"])  # significant, on both tasks
+    acc = {t: {e: rows[e]["accuracy"] for e in rows} for t, rows in record["tasks"].items()}
+    far = str(max(record["config"]["multiples"]))
+    assert separated(acc["repeat"]["alibi"][far], acc["repeat"]["t5"][far])
+    assert separated(acc["repeat"]["t5"][far], acc["repeat"]["rope"][far])
+    assert max(acc["lag"]["alibi"]["1"]) < 0.5 and separated(acc["lag"]["t5"]["1"], acc["lag"]["alibi"]["1"])
+    longer = [str(m) for m in record["config"]["multiples"] if m > 1]
+    assert all(separated(acc[t]["t5"][m], acc[t]["sinusoidal"][m]) for t in acc for m in longer)
+
+
+def test_the_absolute_row_s_prose_matches_the_synthetic_record():
+    """The sinusoidal model has lost most of its accuracy by 4L on both tasks (on repeat at 2L already)."""
+    record = load("lab_cpu.json")
+    acc = {t: rows["sinusoidal"]["accuracy"] for t, rows in record["tasks"].items()}
+    mean = {t: {m: mean_std(v)[0] for m, v in a.items()} for t, a in acc.items()}
+    assert all(mean[t]["4"] < 0.5 * mean[t]["1"] for t in mean) and mean["repeat"]["2"] < 0.5 * mean["repeat"]["1"]
+    assert all(
+        v is None for t, rows in record["tasks"].items() for m, v in rows["learned"]["accuracy"].items() if m != "1"
+    )
+
+
+def test_the_lead_paragraph_s_text_lab_reading_matches_the_text_record():
+    """Past L the sinusoidal model stops retrieving the key; T5's retrieval falls significantly, RoPE's on
+    every seed (from 4L); ALiBi still retrieves most keys at 8L."""
+    record = load("lab_text_cpu.json")
+    rows = record["rows"]
+    assert "t5" in text_verdicts(record)["degraded"]
+    far = max(record["config"]["multiples"])
+    assert all(separated(retrieval(rows["rope"], 1), retrieval(rows["rope"], m)) for m in (4, far))
+    assert min(retrieval(rows["alibi"], far)) > 0.5  # most keys, on every seed
+    assert max(retrieval(rows["sinusoidal"], 2)) < 0.1 < min(retrieval(rows["sinusoidal"], 1))
+
+
+def test_a_record_that_contradicts_a_verdict_changes_it():
+    """The derivation can fail: a sinusoidal model that does not drop, relative ones that hold up."""
+    record = load("lab_cpu.json")
+    for rows in record["tasks"].values():
+        rows["sinusoidal"]["accuracy"] = {m: list(rows["sinusoidal"]["accuracy"]["1"]) for m in ("1", "2", "4", "8")}
+        for e in RELATIVE:
+            rows[e]["accuracy"] = {m: list(rows[e]["accuracy"]["1"]) for m in ("1", "2", "4", "8")}
+    verdicts = lab_verdicts(record)
+    assert verdicts["absolute"] == "does not hold" and verdicts["relative"] == "holds"
