@@ -6,6 +6,7 @@ for the two tasks and :mod:`ropelib.lab.stats` for the summaries over seeds. The
 :mod:`~ropelib.lab.passkey` and :mod:`~ropelib.lab.entropy`.
 """
 
+from .cli import main
 from .experiment import (
     DYNAMIC_FACTOR_RULE,
     ENCODINGS,
@@ -26,7 +27,6 @@ from .experiment import (
     fine_tune,
     format_table,
     label_of,
-    main,
     provenance,
     repeat_batch,
     row_label,

@@ -869,11 +869,6 @@ def config_from_args(args: argparse.Namespace) -> LabConfig:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The command line (see the module docstring); returns the record (or the dry run's parameter counts)."""
-    words = sys.argv[1:] if argv is None else list(argv)
-    if "--text" in words:  # the lab on text parses its own options
-        from .text import main as text_main
-
-        return text_main(words)
     args = _parse(argv)
     config = config_from_args(args)
     if args.dry_run:
