@@ -826,7 +826,7 @@ CASES: list[Case] = [
     ),
     # ---- attention
     raises("MultiHeadAttention", TypeError, "causal must be a bool", lambda: rl.MultiHeadAttention(8, 2, causal="no")),
-    raises("MultiHeadAttention", ValueError, "position must be one of", lambda: rl.MultiHeadAttention(8, 2, "xpos")),
+    raises("MultiHeadAttention", ValueError, "position must be one of", lambda: rl.MultiHeadAttention(8, 2, "xpos2")),
     raises("MultiHeadAttention", ValueError, "unknown", lambda: rl.MultiHeadAttention(8, 2, "rope", base=3.0)),
     raises(
         "MultiHeadAttention",
