@@ -14,10 +14,11 @@ interpolated from learned integer ones ``e[0], ..., e[npos - 1]`` through the lo
 
 .. math::
 
-    b_{ij} = (\lceil p_{ij} \rceil - p_{ij})\, z_i[\lfloor p_{ij} \rfloor]
-           + (p_{ij} - \lfloor p_{ij} \rfloor)\, z_i[\lceil p_{ij} \rceil],
+    b_{ij} = (1 - \phi_{ij})\, z_i[\lfloor p_{ij} \rfloor] + \phi_{ij}\, z_i[\lceil p_{ij} \rceil],
+    \qquad \phi_{ij} = p_{ij} - \lfloor p_{ij} \rfloor,
 
-with ``p`` clamped to ``npos - 1``, and the scores are ``q_i . k_j / sqrt(d) + b_ij``.
+with ``p`` clamped to ``npos - 1`` (at an integer ``p`` the bias is ``z_i[p]``; a weight ``ceil(p) - p``
+on the lower term would make it 0 there), and the scores are ``q_i . k_j / sqrt(d) + b_ij``.
 
 Scaling, as in the paper's code: the gates read the scaled logits ``q . k / sqrt(d)`` (the paper's
 figure takes the gates of its ``attn_logits`` after the division; its repository divides too); the
