@@ -7,6 +7,7 @@ import hashlib
 import json
 import math
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,3 +200,31 @@ def test_the_main_lab_command_line_runs_the_text_lab(tmp_path, capsys):
 def test_run_rejects_a_bad_configuration(change):
     with pytest.raises(ValueError, match=next(iter(change))):
         text.run_text(dataclasses.replace(text.QUICK_TEXT, **change), progress=False)
+
+
+def test_committed_text_record_is_complete():
+    """``results/lab_text_cpu.json`` is a run of the default configuration: every encoding, seed and length."""
+    root = Path(__file__).resolve().parents[1]
+    saved = json.loads((root / "results" / "lab_text_cpu.json").read_text())
+    config = text.SMALL_TEXT
+    assert saved["config"] == json.loads(json.dumps(dataclasses.asdict(config)))
+    # --quiet only silences the progress bar
+    command = [w for w in saved["provenance"]["command"].split() if w != "--quiet"]
+    assert command == "python -m ropelib.lab --text --json results/lab_text_cpu.json".split()
+    assert saved["provenance"]["threads"] == 1
+    assert saved["wall_seconds"] < 45 * 60  # one command, under 45 minutes on one thread of the recording machine
+    assert saved["left_out"] == text.LEFT_OUT and saved["lab_encodings"] == list(ENCODINGS)
+    expected = list(config.encodings) + [f"rope+{s}" for s in config.zero_shot]
+    expected += ["rope+ft" if s == "default" else f"rope+{s}+ft" for s in config.fine_tune]
+    assert list(saved["rows"]) == expected
+    seeds = len(config.seeds)
+    for name, row in saved["rows"].items():
+        tested = [config.fine_tune_multiple] if row["kind"] == "fine-tuned" else list(config.multiples)
+        for m in config.multiples:
+            key = str(m)
+            if m not in tested:
+                assert row["loss"][key] is None and row["passkey"][key] is None, (name, m)
+                continue
+            assert len(row["loss"][key]) == seeds and all(0 < v < math.inf for v in row["loss"][key])
+            assert all(len(v) == seeds for v in row["passkey"][key].values()), (name, m)
+            assert len(row["entropy"][key]) == seeds, (name, m)
