@@ -255,7 +255,7 @@ LAYOUT_ERRORS = [
         r"kernel must be one of \['auto', 'torch', 'native', 'triton'\], got 'cuda'",
         lambda: RotaryEmbedding(8, kernel="cuda"),
     ),
-    (ValueError, "position must be one of", lambda: MultiHeadAttention(8, 2, "xpos")),
+    (ValueError, "position must be one of", lambda: MultiHeadAttention(8, 2, "xpos2")),
     (
         ValueError,
         r"position='t5' takes options .* got unknown \['theta'\]",
