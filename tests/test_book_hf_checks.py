@@ -12,6 +12,7 @@ Dynamic NTK's regrown frequencies are checked against the formula, computed here
 from __future__ import annotations
 
 import copy
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -84,8 +85,12 @@ MLA = dict(
 
 
 @pytest.fixture(autouse=True)
-def _quiet_transformers() -> None:
+def _quiet_transformers() -> Iterator[None]:
+    """transformers' warnings off during each test, and back to what they were after it."""
+    verbosity = transformers.logging.get_verbosity()
     transformers.logging.set_verbosity_error()
+    yield
+    transformers.logging.set_verbosity(verbosity)
 
 
 def tiny_llama(rope_parameters: dict[str, Any], max_position_embeddings: int = 64) -> torch.nn.Module:
