@@ -841,11 +841,6 @@ def _parse(argv: Sequence[str] | None) -> argparse.Namespace:
         epilog="The lab on real text (byte-level models on Python's standard library, passkey retrieval, "
         "attention entropy) is the other run: python -m ropelib.lab --text --help lists its options.",
     )
-    parser.add_argument(
-        "--text",
-        action="store_true",
-        help="run the lab on real text instead (ropelib.lab.text; its own options: --text --help)",
-    )
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="the chapter's live configuration (under a minute)")
     size.add_argument("--large", action="store_true", help="the larger configuration (meant for one GPU)")
