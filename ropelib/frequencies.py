@@ -115,12 +115,12 @@ def cos_sin_table(
 
 
 def relative_decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
-    r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{j=1}^{d/2} |S_j(r)|`.
+    r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{j=1}^{d/2} |U_j(r)|`.
 
     For a query and key at distance ``r`` the score is :math:`\mathrm{Re}\sum_j h_j e^{i r \theta_j}`;
     summing by parts (Su et al., 2021, section 3.4.3) bounds it by
-    :math:`\max_j |h_{j+1} - h_j| \sum_j |S_j(r)|` with the partial sums
-    :math:`S_j(r) = \sum_{l < j} e^{i r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_j |S_j(r)|`
+    :math:`\max_j |h_{j+1} - h_j| \sum_j |U_j(r)|` with the partial sums
+    :math:`U_j(r) = \sum_{l < j} e^{i r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_j |U_j(r)|`
     (the quantity RoFormer plots): ``(d/2 + 1) / 2`` at ``r = 0``, shrinking on average, with ripples,
     as ``r`` grows. Computed in float64 (complex128).
 

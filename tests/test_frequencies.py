@@ -78,7 +78,7 @@ def test_reference_agrees_with_python_math_on_samples():
 
 
 def test_relative_decay_bound_by_hand_and_by_its_definition() -> None:
-    # At r = 0 every phase is 1: |S_j| = j, mean (d/2 + 1) / 2. Elsewhere, against the partial sums
+    # At r = 0 every phase is 1: |U_j| = j, mean (d/2 + 1) / 2. Elsewhere, against the partial sums
     # written out one by one in Python complex arithmetic (float64, as the function).
     import cmath
 

@@ -41,13 +41,14 @@ def yarn_ramp(
     beta_slow: float,
     truncate: bool = True,
 ) -> torch.Tensor:
-    r"""YaRN's ramp ``gamma_i`` in float64, ``[d/2]``: 0 = keep
-    (extrapolate), 1 = divide by ``s`` (interpolate).
+    r"""YaRN's ramp as the weight of interpolation, ``1 - eta_i``, in float64,
+    ``[d/2]``: 0 = keep (extrapolate), 1 = divide by ``s`` (interpolate).
 
     ``low = i(beta_fast)``, ``high = i(beta_slow)`` (floored / ceiled when
     ``truncate``), clipped to ``[0, d - 1]``;
-    ``gamma_i = clamp((i - low) / (high - low), 0, 1)``; when
-    ``low == high`` the denominator is 0.001, as in Hugging Face.
+    ``1 - eta_i = clamp((i - low) / (high - low), 0, 1)``; when
+    ``low == high`` the denominator is 0.001, as in Hugging Face. (The
+    paper's ramp gamma is ``eta_i``, the weight of the kept frequency.)
     """
     shape = (rotary_dim, theta, original_length)
     low = yarn_correction_dim(beta_fast, *shape)
@@ -87,11 +88,11 @@ def yarn_scaling(
     r"""YaRN (Peng et al., 2024): "NTK-by-parts" interpolation plus an attention temperature.
 
     Pairs that turn many times within ``L`` (high frequency) keep their frequency; pairs whose
-    wavelength exceeds ``L`` are interpolated as in PI; in between, a linear ramp ``gamma_i``
-    (:func:`yarn_ramp`, bounded by the pairs that make ``beta_fast`` and ``beta_slow`` turns in
-    ``L``) blends the two:
+    wavelength exceeds ``L`` are interpolated as in PI; in between, a linear ramp ``eta_i``
+    (``1 -`` :func:`yarn_ramp`, bounded by the pairs that make ``beta_fast`` and ``beta_slow``
+    turns in ``L``) blends the two:
 
-    .. math:: inv'_i = (1 - \gamma_i)\, inv_i + \gamma_i\, inv_i / s .
+    .. math:: inv'_i = \eta_i\, inv_i + (1 - \eta_i)\, inv_i / s .
 
     cos and sin are multiplied by ``attention_factor`` (``sqrt(1/t)`` in the paper), by default
     ``0.1 ln s + 1`` or, when ``mscale`` and ``mscale_all_dim`` are both set (DeepSeek),
