@@ -41,8 +41,9 @@ def yarn_ramp(
     beta_slow: float,
     truncate: bool = True,
 ) -> torch.Tensor:
-    r"""YaRN's ramp as the weight of interpolation, ``1 - eta_i``, in float64,
-    ``[d/2]``: 0 = keep (extrapolate), 1 = divide by ``s`` (interpolate).
+    r"""YaRN's ramp as the weight of interpolation, ``1 - eta_i``,
+    float64 ``[d/2]``: 0 = keep (extrapolate), 1 = divide by ``s``
+    (interpolate).
 
     ``low = i(beta_fast)``, ``high = i(beta_slow)`` (floored / ceiled when
     ``truncate``), clipped to ``[0, d - 1]``;
