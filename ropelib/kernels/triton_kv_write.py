@@ -7,7 +7,7 @@ block is rotated straight into the token's cache slot, block ``slot // block_siz
 ``slot % block_size`` of ``[num_blocks, block_size, Hk, D]`` (vLLM's paged layout), and the
 same heads of ``v`` are copied into the value cache beside it. A padding token (a negative slot)
 writes nothing: its stores are masked. The rotation of a block is
-:func:`~ropelib.kernels.triton_kernel._rotate_head_block` itself, without fused multiply-adds, so
+the Triton kernel's own ``_rotate_head_block``, without fused multiply-adds, so
 the bits are those of ``rotary_qk(kernel="triton")`` followed by ``index_copy_``.
 """
 
