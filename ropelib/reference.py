@@ -35,7 +35,7 @@ def _check_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> Non
 
 
 def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layout: str = "half") -> torch.Tensor:
-    r"""Rotate the first ``r = 2 * cos.shape[-1]`` features of ``x`` (the reference implementation).
+    r"""Rotate the first ``2 * cos.shape[-1]`` features of ``x`` (the reference implementation).
 
     The math runs in float32 (float64 for float64 input); the result has ``x``'s dtype.
 

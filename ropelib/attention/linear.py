@@ -131,7 +131,7 @@ def linear_attention_weights(
     causal: bool = False,
     eps: float = 1e-6,
 ) -> torch.Tensor:
-    r"""The ``n x n`` matrix that :func:`linear_attention` applies to ``v``, formed explicitly (``O(n^2)``).
+    r"""The ``N x N`` matrix that :func:`linear_attention` applies to ``v``, formed explicitly (``O(N^2)``).
 
     ``W[b, h, i, j] = (R_i phi(q_i))^T (R_j phi(k_j)) / (sum_j phi(q_i)^T phi(k_j) + eps)``; for checks and figures.
     """

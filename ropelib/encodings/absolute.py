@@ -70,16 +70,16 @@ def sinusoidal_encoding(
 
 
 def sinusoidal_shift_matrix(shift: int, dim: int, base: float = 10000.0) -> torch.Tensor:
-    r"""The fixed linear map ``M_k`` with ``P[p + k] = M_k P[p]`` for every position ``p``.
+    r"""The fixed linear map ``M_r`` with ``P[p + r] = M_r P[p]`` for every position ``p``.
 
-    ``M_k`` is block diagonal; the block acting on features ``(2i, 2i+1)`` is the rotation
+    ``M_r`` (``r`` the ``shift``) is block diagonal; the block acting on features ``(2i, 2i+1)`` is the rotation
 
     .. math::
 
-        \begin{pmatrix} \cos k\omega_i & \sin k\omega_i \\ -\sin k\omega_i & \cos k\omega_i \end{pmatrix},
-        \qquad \omega_i = \text{base}^{-2i/d},
+        \begin{pmatrix} \cos r\theta_i & \sin r\theta_i \\ -\sin r\theta_i & \cos r\theta_i \end{pmatrix},
+        \qquad \theta_i = \mathrm{base}^{-2i/d},
 
-    which follows from ``sin(a+b)`` and ``cos(a+b)``. It depends on the shift ``k`` only.
+    which follows from ``sin(a+b)`` and ``cos(a+b)``. It depends on the shift ``r`` only.
 
     Returns:
         float64 tensor of shape ``[dim, dim]``.

@@ -31,7 +31,7 @@ from .._validation import (
 def relative_positions(
     query_len: int, key_len: int | None = None, *, offset: int = 0, device: torch.device | str | None = None
 ) -> torch.Tensor:
-    """The relative-distance matrix ``R[i, j] = j - (i + offset)``, int64, shape ``[query_len, key_len]``.
+    """The relative-distance matrix, entry ``[i, j] = j - (i + offset)``, int64, shape ``[query_len, key_len]``.
 
     ``offset`` is the position of the first query among the keys (``key_len - query_len`` when
     decoding with a cache whose queries are the last tokens).
@@ -227,11 +227,11 @@ def alibi_bias(
     dtype: torch.dtype = torch.float32,
     alibi_bias_max: float = 8.0,
 ) -> torch.Tensor:
-    r"""ALiBi's bias ``b_ij = -m_h |j - i|``, shape ``[num_heads, query_len, key_len]``.
+    r"""ALiBi's bias ``b_ij = -mu_h |j - i|``, shape ``[num_heads, query_len, key_len]``.
 
     In a causal model only ``j <= i`` survives the mask, where this is the paper's
-    ``m_h (j - i)``; the absolute value makes the same bias usable without a causal mask. The
-    slopes ``m_h`` are :func:`~ropelib.alibi_slopes` ``(num_heads, alibi_bias_max=...)`` (MPT's key).
+    ``m (j - i)`` (``mu_h`` here); the absolute value makes the same bias usable without a causal mask. The
+    slopes ``mu_h`` are :func:`~ropelib.alibi_slopes` ``(num_heads, alibi_bias_max=...)`` (MPT's key).
     """
     dtype = check_float_dtype(dtype)
     rel = relative_positions(query_len, key_len, offset=offset, device=device)

@@ -73,7 +73,7 @@ def mrope_axes(mrope_section: Sequence[int], *, interleaved: bool = False) -> to
 
 
 def mrope_positions(segments: Sequence[int | Sequence[int]], *, spatial_merge_size: int = 1) -> torch.Tensor:
-    """The ``[3, L]`` (time, height, width) positions of a sequence of text runs and image grids (Qwen2-VL's ``get_rope_index``).
+    """The ``[3, N]`` (time, height, width) positions of a sequence of text runs and image grids (Qwen2-VL's ``get_rope_index``).
 
     Args:
         segments: in order, an ``int`` ``n`` for a run of ``n`` text tokens, or a ``(t, h, w)``
@@ -90,7 +90,7 @@ def mrope_positions(segments: Sequence[int | Sequence[int]], *, spatial_merge_si
     steps of videos are not modelled.
 
     Returns:
-        int64 tensor ``[3, L]``, ``L`` the number of tokens.
+        int64 tensor ``[3, N]``, ``N`` the number of tokens.
 
     Example:
         >>> mrope_positions([2, (1, 2, 2), 1]).tolist()
