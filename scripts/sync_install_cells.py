@@ -16,8 +16,9 @@ installed (as when the book is built) it does nothing::
     if importlib.util.find_spec("ropelib") is None:
         # a shallow clone: the chapters read its files too (../results/)
         !git clone -q --depth 1 --branch {BRANCH} {REPOSITORY} ropelib-book
-        # ropelib, and myst-nb for the chapters' glue
-        %pip install -q ./ropelib-book myst-nb
+        # ropelib with its Hugging Face extra, myst-nb for the chapters'
+        # glue and matplotlib for their figures (Colab ships the last two)
+        %pip install -q "./ropelib-book[hf]" myst-nb matplotlib
         importlib.invalidate_caches()
     if os.path.isdir("ropelib-book"):  # run in the clone, also after a restart
         os.chdir("ropelib-book/book")
@@ -92,8 +93,9 @@ def install_cell_source(url: str, branch: str = "") -> str:
         'if importlib.util.find_spec("ropelib") is None:\n'
         "    # a shallow clone: the chapters read its files too (../results/)\n"
         f"    !git clone -q --depth 1 {option}{{REPOSITORY}} {CLONE}\n"
-        "    # ropelib, and myst-nb for the chapters' glue\n"
-        f"    %pip install -q ./{CLONE} myst-nb\n"
+        "    # ropelib with its Hugging Face extra, myst-nb for the chapters'\n"
+        "    # glue and matplotlib for their figures (Colab ships the last two)\n"
+        f'    %pip install -q "./{CLONE}[hf]" myst-nb matplotlib\n'
         "    importlib.invalidate_caches()\n"
         f'if os.path.isdir("{CLONE}"):  # run in the clone, also after a restart\n'
         f'    os.chdir("{CLONE}/book")\n'

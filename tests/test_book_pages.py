@@ -33,7 +33,9 @@ def test_install_cell_comes_from_the_config() -> None:
     assert f'REPOSITORY = "{url}"' in source
     assert (f'BRANCH = "{branch}"' in source) == bool(branch)
     assert ("--branch {BRANCH}" in source) == bool(branch)
-    assert "!git clone -q --depth 1 " in source and f"%pip install -q ./{sync.CLONE} myst-nb\n" in source
+    assert (
+        "!git clone -q --depth 1 " in source and f'%pip install -q "./{sync.CLONE}[hf]" myst-nb matplotlib\n' in source
+    )
     assert "-e " not in source  # non-editable: the running kernel imports it at once
     compile(_python(source), "<install cell>", "exec")
     assert "--branch" not in sync.install_cell_source(url)  # no branch: the default one
@@ -82,7 +84,7 @@ def test_install_cell_clones_installs_and_runs_in_the_clone(tmp_path: Path, monk
     (tmp_path / sync.CLONE / "book").mkdir(parents=True)  # what the clone leaves
     shell = _run_cell(sync.install_cell_source("https://x.org/a/b", "dev"), tmp_path, monkeypatch, importable=False)
     clone = f"git clone -q --depth 1 --branch {{BRANCH}} {{REPOSITORY}} {sync.CLONE}"
-    assert shell.calls == [("system", clone), ("pip", f"install -q ./{sync.CLONE} myst-nb")]
+    assert shell.calls == [("system", clone), ("pip", f'install -q "./{sync.CLONE}[hf]" myst-nb matplotlib')]
     # relative paths (../results/) resolve in the clone, and ropelib.__file__ is in it too
     assert Path.cwd() == tmp_path / sync.CLONE / "book"
     assert sys.path[0] == str(tmp_path / sync.CLONE)
