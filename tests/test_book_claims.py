@@ -294,8 +294,10 @@ def test_the_relative_row_s_prose_matches_the_synthetic_record():
     assert all(separated(acc["lag"]["rope"][m], acc["lag"]["sinusoidal"][m]) for m in longer)
     rope, sin = acc["repeat"]["rope"], acc["repeat"]["sinusoidal"]
     assert all(not separated(rope[m], sin[m]) and not separated(sin[m], rope[m]) for m in ("4", far))
-    assert "T5 kept more than the sinusoidal model on both tasks, ALiBi on repeat and RoPE on lag only" in prose
-    assert "(on repeat their seeds overlap at $4L$ and $8L$)" in prose
+    assert separated(rope["2"], sin["2"])
+    assert "T5 and ALiBi kept more accuracy than the sinusoidal model on repeat at every length" in prose
+    assert "RoPE at $2L$ only (their seeds overlap at $4L$ and $8L$)" in prose
+    assert "on lag, T5 and RoPE kept more at every length" in prose
 
 
 def test_the_absolute_row_s_prose_matches_the_synthetic_record():
