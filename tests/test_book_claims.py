@@ -24,6 +24,7 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from ropelib.lab import mean_std, separated
 from ropelib.lab.stats import holm, welch_p_value
@@ -344,3 +345,24 @@ def test_records_that_contradict_the_performance_verdict_change_it():
     for e in RELATIVE:
         text["rows"][e]["loss"]["1"] = list(text["rows"]["sinusoidal"]["loss"]["1"])
     assert performance_verdict(synthetic, text) == "does not hold"
+
+
+def test_the_front_page_s_code_example_runs_and_rotates():
+    """The ``python`` block of the front page, run as printed: shapes kept, position 0 unrotated, norms kept."""
+    text = INDEX.read_text(encoding="utf-8")
+    start = text.index("```python\n") + len("```python\n")
+    source = text[start : text.index("```", start)]
+    torch.manual_seed(0)
+    scope: dict = {}
+    exec(compile(source, "book/index.md", "exec"), scope)
+    torch.manual_seed(0)  # the same draws as the example's, to compare against
+    q0, k0 = torch.randn(2, 16, 32, 128), torch.randn(2, 16, 8, 128)
+    q, k = scope["q"], scope["k"]
+    assert q.shape == q0.shape and k.shape == k0.shape and q.dtype == k.dtype == torch.float32
+    assert torch.equal(q[:, 0], q0[:, 0]) and torch.equal(k[:, 0], k0[:, 0])  # angle 0: cos 1, sin 0
+    assert not torch.allclose(q[:, 1:], q0[:, 1:])
+    # a rotation keeps the squared length of each (i, i + 64) pair of the half layout, to float32
+    # rounding: a few ulps of the products with cos and sin, far below 1e-5 of values of order one
+    for out, before in ((q, q0), (k, k0)):
+        length, length0 = (x[..., :64] ** 2 + x[..., 64:] ** 2 for x in (out, before))
+        assert torch.allclose(length, length0, rtol=1e-5, atol=1e-5)
