@@ -1,4 +1,4 @@
-"""The lab's tests of significance: Student's t tail, Welch's one-sided test, Holm's correction.
+"""The lab's tests of significance: Student's t tail, Welch's one-sided test, Holm's correction, the sign test.
 
 Expected values come from published t tables, hand-worked cases and a numerical integral of the
 t density, never from the functions under test.
@@ -10,7 +10,7 @@ import math
 
 import pytest
 
-from ropelib.lab.stats import holm, t_sf, welch_p_value
+from ropelib.lab.stats import holm, sign_test_p_value, t_sf, welch_p_value
 
 
 def _t_density(x: float, df: int) -> float:
@@ -73,3 +73,26 @@ def test_holm_by_hand() -> None:
     assert holm([], 0.05) == []
     with pytest.raises(ValueError, match="alpha"):
         holm([0.01], 1.0)
+
+
+# hand-worked binomial tails: C(11, 8..11) = 165, 55, 11, 1 of 2048; C(10, 0) + C(10, 1) = 11 of 1024
+@pytest.mark.parametrize(
+    ("wins", "rounds", "two_sided", "expected"),
+    [
+        (8, 11, False, 232 / 2048),
+        (8, 11, True, 464 / 2048),
+        (3, 11, True, 464 / 2048),
+        (11, 11, False, 1 / 2048),
+        (0, 10, False, 1.0),
+        (1, 10, True, 22 / 1024),
+        (5, 10, True, 1.0),
+    ],
+)
+def test_sign_test_p_value_against_hand_worked_tails(wins: int, rounds: int, two_sided: bool, expected: float) -> None:
+    assert sign_test_p_value(wins, rounds, two_sided=two_sided) == expected
+
+
+@pytest.mark.parametrize(("wins", "rounds"), [(-1, 5), (6, 5), (2, 0), (2.0, 5)])
+def test_sign_test_p_value_rejects_impossible_counts(wins: object, rounds: object) -> None:
+    with pytest.raises((ValueError, TypeError)):
+        sign_test_p_value(wins, rounds)  # type: ignore[arg-type]

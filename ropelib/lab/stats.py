@@ -12,6 +12,8 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 
+from .._validation import check_int
+
 
 def mean_std(values: Sequence[float]) -> tuple[float, float]:
     r"""``(mean, s)`` with the sample standard deviation ``s = sqrt(sum (x - mean)^2 / (k - 1))`` (0 for one value).
@@ -130,3 +132,22 @@ def holm(p_values: Sequence[float], alpha: float = 0.05) -> list[bool]:
             break
         rejected[i] = True
     return rejected
+
+
+def sign_test_p_value(wins: int, rounds: int, *, two_sided: bool = False) -> float:
+    """The sign test's p-value: the chance of ``wins`` or more of ``rounds`` paired rounds under a fair coin.
+
+    One-sided, ``P(X >= wins)`` for ``X ~ Binomial(rounds, 1/2)``; two-sided, twice the tail at
+    ``max(wins, rounds - wins)``, at most 1.
+
+    Example:
+        >>> sign_test_p_value(8, 11)  # (165 + 55 + 11 + 1) / 2**11
+        0.11328125
+    """
+    rounds = check_int(rounds, "rounds", minimum=1)
+    wins = check_int(wins, "wins", minimum=0)
+    if wins > rounds:
+        raise ValueError(f"wins must be at most rounds ({rounds}), got {wins}")
+    far = max(wins, rounds - wins) if two_sided else wins
+    tail = sum(math.comb(rounds, j) for j in range(far, rounds + 1)) / 2**rounds
+    return min(1.0, 2 * tail) if two_sided else tail
