@@ -5,8 +5,8 @@ Run after ``jupyter-book build .``; it opens every page listed in ``_toc.yml`` f
 ``_build/html`` and fails (exit status 1, one line per problem naming the page) unless
 
 * the math is typeset: the page has MathJax output (``mjx-container`` elements) for its math,
-  MathJax reported no errors, and no raw TeX (``$$``, ``\\(``, ``\\[``, ``\\begin{``) is left in
-  the visible text outside code blocks;
+  MathJax reported no errors, and no raw TeX (``$$``, ``\\(``, ``\\[``, ``\\begin{``, a control
+  word such as ``\\tau``, a ``$`` opening a formula) is left in the visible text outside code blocks;
 * every image loads: each ``<img src>`` of the static page and of the rendered DOM is a local
   file that exists and starts like an image (PNG, JPEG, GIF, WebP or SVG);
 * every internal link resolves: each ``href`` to a local file exists, and its ``#anchor`` is an
@@ -84,6 +84,9 @@ CHROMIUM_FLAGS = [
 ]
 CHROMIUM_TIMEOUT_S = 90
 RAW_TEX = ("$$", "\\(", "\\[", "\\begin{")
+# TeX that escaped the math parser (a line of an inline formula read as a list item, say): a
+# control word such as \tau, or a "$" opening a formula, left in the visible prose.
+RAW_TEX_PATTERN = re.compile(r"(?<![\w\\])\\[A-Za-z]{2,}|\$(?=[\\A-Za-z(^_{])")
 # Text inside these elements is code, machinery or already-typeset math, not prose.
 SKIP_TEXT_IN = {
     "script",
@@ -549,6 +552,10 @@ class Checker:
             if at >= 0:
                 snippet = text[max(0, at - 40) : at + 60]
                 problems.append(f"raw TeX '{token}' in visible text: ...{snippet}...")
+        for hit in RAW_TEX_PATTERN.finditer(text):
+            snippet = text[max(0, hit.start() - 40) : hit.start() + 60]
+            problems.append(f"raw TeX '{hit.group()}' in visible text: ...{snippet}...")
+            break
         for src in set(dom.images) - set(static.images):
             problems += self.image_problems(page_file, src)
         return problems
