@@ -1,13 +1,21 @@
-"""The book's bibliography style: pybtex's ``alpha``, with a list that ends in ``and others`` printed ``et al.``.
+"""The book's bibliography style: pybtex's ``alpha``, with ``et al.`` and author-year labels made unique.
 
-BibTeX writes a truncated author list as ``A and B and C and others``; pybtex's styles print the
-last name ``others`` literally ("A, B, C, and others"). This style prints "A, B, C et al." and is
-otherwise ``alpha`` (labels such as [BBC+23], sorted by author, year and title). ``_config.yml``
-loads this module as a local Sphinx extension and names the style in ``bibtex_default_style``.
+* BibTeX writes a truncated author list as ``A and B and C and others``; pybtex's styles print the
+  last name ``others`` literally ("A, B, C, and others"). This style prints "A, B, C et al.".
+* The chapters cite by author and year ("Sun et al., 2023"), and two works can share that text
+  (xPos and RetNet). As natbib does, such works get a letter after the year, in the order of the
+  bibliography ("2023a", "2023b"), in the citations and in the bibliography alike.
+
+Otherwise it is ``alpha`` (labels such as [BBC+23], sorted by author, year and title).
+``_config.yml`` loads this module as a local Sphinx extension and names the style in
+``bibtex_default_style``.
 """
 
 from __future__ import annotations
 
+import string
+from collections import defaultdict
+from collections.abc import Iterable
 from typing import Any
 
 from pybtex.plugin import register_plugin
@@ -19,8 +27,40 @@ from pybtex.style.template import FieldIsMissing, join, node, sentence
 STYLE_NAME = "alpha_et_al"
 
 
+#: The field that keeps an entry's year as written once a letter is added to ``year``.
+YEAR_AS_WRITTEN = "year_as_written"
+
+
 def _is_others(person: Any) -> bool:
     return str(person).strip().lower() == "others"
+
+
+def cited_as(entry: Any) -> tuple[str, ...]:
+    """The author part of an author-year citation of ``entry``: one or two last names, or the first and "et al."."""
+    persons = entry.persons.get("author") or entry.persons.get("editor") or []
+    lasts = tuple(" ".join(person.last_names) for person in persons)
+    if not lasts:
+        return (entry.fields.get("title", entry.key),)
+    return lasts if len(lasts) <= 2 else (lasts[0], "et al.")
+
+
+def disambiguate_years(entries: Iterable[Any]) -> None:
+    """Give works that share an author-year citation the letters a, b, ... after the year, in the given order.
+
+    The year as written is kept in :data:`YEAR_AS_WRITTEN`, so that a second call (Sphinx formats a
+    bibliography more than once) starts from it and gives the same letters.
+    """
+    groups: defaultdict[tuple[Any, ...], list[Any]] = defaultdict(list)
+    for entry in entries:
+        if YEAR_AS_WRITTEN in entry.fields:
+            entry.fields["year"] = entry.fields[YEAR_AS_WRITTEN]
+        groups[(*cited_as(entry), entry.fields.get("year"))].append(entry)
+    for group in groups.values():
+        if len(group) < 2 or group[0].fields.get("year") is None:
+            continue
+        for letter, entry in zip(string.ascii_lowercase, group):
+            entry.fields[YEAR_AS_WRITTEN] = entry.fields["year"]
+            entry.fields["year"] = entry.fields["year"] + letter
 
 
 @node
@@ -42,7 +82,23 @@ def names_et_al(children: Any, context: Any, role: str) -> Text:
 
 
 class EtAlStyle(AlphaStyle):
-    """``alpha`` with ``et al.`` for a truncated list of names."""
+    """``alpha`` with ``et al.`` for a truncated list of names and a letter after a shared author-year."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        # pybtex's BaseStyle binds format_labels to its label style in __init__: wrap that binding.
+        self._alpha_labels = self.format_labels
+        self.format_labels = self._labels_then_letters
+
+    def _labels_then_letters(self, sorted_entries: Iterable[Any]) -> list[str]:
+        """The alpha labels, from the years as written; then the years of shared citations get their letters."""
+        entries = list(sorted_entries)
+        for entry in entries:  # labels from the years as written, also when formatted a second time
+            if YEAR_AS_WRITTEN in entry.fields:
+                entry.fields["year"] = entry.fields[YEAR_AS_WRITTEN]
+        labels = list(self._alpha_labels(entries))
+        disambiguate_years(entries)
+        return labels
 
     def format_names(self, role: str, as_sentence: bool = True) -> Any:
         formatted = names_et_al(role)

@@ -46,3 +46,33 @@ def test_the_book_uses_the_style() -> None:
     config = (Path(__file__).resolve().parents[1] / "_config.yml").read_text()
     assert f"bibtex_default_style: {bibliography_style.STYLE_NAME}" in config
     assert "bibliography_style: scripts" in config
+
+
+SHARED = r"""
+@misc{xpos, author = {Sun, Yutao and Dong, Li and Patra, Barun}, title = {{A Length-Extrapolatable Transformer}}, year = {2023}}
+@misc{retnet, author = {Sun, Yutao and Dong, Li and Huang, Shaohan}, title = {{Retentive Network}}, year = {2023}}
+@misc{alone, author = {Sun, Yutao and Dong, Li}, title = {{Two Authors}}, year = {2023}}
+@misc{other_year, author = {Sun, Yutao and Ma, Shuming and Wang, Wenhui}, title = {{Later}}, year = {2024}}
+"""
+
+
+def test_works_sharing_an_author_year_citation_get_letters_in_bibliography_order() -> None:
+    style = bibliography_style.EtAlStyle()
+    entries = parse_string(SHARED, "bibtex").entries
+    for _ in range(2):  # Sphinx formats a bibliography more than once: the same letters each time
+        ordered = list(style.sort(entries.values()))
+        labels = list(style.format_labels(ordered))
+        years = {entry.key: entry.fields["year"] for entry in ordered}
+        assert [entry.key for entry in ordered] == ["alone", "retnet", "xpos", "other_year"]
+        assert years == {"retnet": "2023a", "xpos": "2023b", "alone": "2023", "other_year": "2024"}
+        assert labels == ["SD23", "SDH23", "SDP23", "SMW24"]  # the alpha labels, from the years as written
+    text = {e.key: e.text.render_as("text") for e in style.format_entries(entries.values())}
+    assert text["xpos"] == "Yutao Sun, Li Dong, and Barun Patra. A Length-Extrapolatable Transformer. 2023b."
+
+
+def test_cited_as_is_the_author_part_of_an_author_year_citation() -> None:
+    entries = parse_string(SHARED + ENTRIES, "bibtex").entries
+    assert bibliography_style.cited_as(entries["xpos"]) == ("Sun", "et al.")
+    assert bibliography_style.cited_as(entries["alone"]) == ("Sun", "Dong")
+    assert bibliography_style.cited_as(entries["one"]) == ("Su",)
+    assert bibliography_style.cited_as(entries["four"]) == ("Bai", "et al.")  # "others" counts as a person
