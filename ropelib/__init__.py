@@ -1,6 +1,6 @@
 """ropelib: position encodings for PyTorch, from sinusoids to RoPE.
 
-Tensors follow ``[batch, seq, heads, head_dim]``. See the book for the mathematics.
+Tensors follow ``[batch, seq, heads, head_dim]`` unless a docstring says otherwise. See the book for the mathematics.
 """
 
 from ._device import default_device, device_name

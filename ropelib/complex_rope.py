@@ -28,8 +28,9 @@ def precompute_pos_cis(
 
     Returns:
         complex64 tensor of shape ``[end, dim // 2]``. The angles are formed
-        in float64 and rounded once, so ``|pos_cis| = 1`` and the phase is
-        exact to float32 precision at every position.
+        in float64 and rounded once, so ``|pos_cis| = 1`` to float32
+        rounding and the phase is exact to float32 precision at every
+        position.
 
     Example:
         >>> precompute_pos_cis(4, end=2)[0]

@@ -19,7 +19,7 @@ The load-balanced ("head-tail", "zigzag") layout cuts the sequence into ``2W`` c
 ``c = S / (2W)`` tokens and gives rank ``r`` the chunks ``r`` and ``2W - 1 - r``; its work is
 ``c (rc + (c+1)/2) + c ((2W-1-r)c + (c+1)/2) = c (2Wc + 1)`` on every rank, exactly. This is
 the layout of Megatron-core (``get_batch_on_this_cp_rank``, ``get_pos_emb_on_this_cp_rank``),
-TransformerEngine's context parallelism, Llama 3's all-gather CP (Dubey et al., 2024, §3.3.2)
+TransformerEngine's context parallelism, Llama 3's all-gather CP (Llama Team, AI @ Meta, 2024, §3.3.2)
 and PyTorch's ``torch.distributed.tensor.experimental.context_parallel``, whose default load
 balancer (``_HeadTailLoadBalancer``, the "round-robin" one of ``context_parallel_unshard``)
 builds the same index: for ``S = 16, W = 4`` rank 0 holds ``[0, 1, 14, 15]`` and rank 3 holds

@@ -90,7 +90,7 @@ def cos_sin_table(
     r"""``cos(p * inv_freq) * s`` and ``sin(p * inv_freq) * s`` for integer ``positions``.
 
     The product ``p * inv_freq`` is formed in float64 and rounded to ``dtype`` only after the
-    cosine: the usual float32 product loses ``p * 2^-24`` radians, about 0.06 at ``p = 2^20``.
+    cosine: the usual float32 product loses up to ``p * 2^-24`` radians, up to 0.06 at ``p = 2^20``.
     Only the rows of the given positions are computed, so memory follows ``positions.numel()``,
     not the largest position.
 

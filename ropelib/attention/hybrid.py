@@ -142,7 +142,7 @@ def _interleaved(local: str, global_: str) -> Callable[[int, int], tuple[str, ..
     return pattern
 
 
-#: Hybrid name -> ``pattern(num_layers, interval)``: the ``position`` (plug name) of each layer.
+#: Hybrid name -> ``pattern(num_layers, interval)``, which returns the ``position`` (plug name) of each layer.
 HYBRIDS: Mapping[str, Callable[[int, int], tuple[str, ...]]] = MappingProxyType(
     {
         "irope": _interleaved("rope_chunked", "nope_temperature"),

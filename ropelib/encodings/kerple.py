@@ -16,8 +16,8 @@ ALiBi is the power kernel with ``r_2 = 1`` and ``r_1`` its slope.
 
 The parameters are kept in range by construction: ``r_1 = softplus(a)``, ``r_2 = softplus(b)``
 (log) or ``r_2 = 2 sigmoid(b)`` (power, the open interval ``(0, 2)``). They start at ALiBi: the
-power kernel at ``r_1 = `` ALiBi's slopes, ``r_2 = 1``; the log kernel at ``r_1 = 1``,
-``r_2 = `` ALiBi's slopes (the same slope at ``|i - j| -> 0``).
+power kernel at ``r_1`` = ALiBi's slopes and ``r_2 = 1``; the log kernel at ``r_1 = 1`` and
+``r_2`` = ALiBi's slopes (the same slope at ``|i - j| -> 0``).
 """
 
 from __future__ import annotations

@@ -80,7 +80,7 @@ def rotate_token_tables(
 
 
 def check_kernel(kernel: object, device: torch.device, dtype: torch.dtype) -> str:
-    """``kernel``, one of :data:`~ropelib.KERNEL_CHOICES`, usable for this device and dtype."""
+    """``kernel``, one of :data:`~ropelib.kernels.registry.KERNEL_CHOICES`, usable for this device and dtype."""
     kernel = check_choice(kernel, "kernel", KERNEL_CHOICES)
     if kernel != "auto":
         why = KERNELS[kernel].why_not(device, dtype)

@@ -102,7 +102,7 @@ KERNELS: MappingProxyType[str, Kernel] = MappingProxyType(
         ),
     }
 )
-#: What a caller may ask for: ``"auto"`` or one of :data:`~ropelib.KERNELS`.
+#: The names ``kernel=`` accepts, ``"auto"`` and the keys of :data:`~ropelib.KERNELS`.
 KERNEL_CHOICES = ("auto", *KERNELS)
 
 

@@ -129,7 +129,7 @@ class FourierPositionEmbedding(nn.Module):
 
     @property
     def frequencies(self) -> torch.Tensor:
-        """The frequencies in use, float64 ``[d/2]``: ``omega_j`` for the kept pairs, 0 for the clipped ones."""
+        """The frequencies in use, float64 ``[d/2]``, ``omega_j`` for the kept pairs and 0 for the clipped ones."""
         out = self._inv_freq64.clone()
         out[self.kept :] = 0.0
         return out

@@ -6,9 +6,10 @@ placed after ``n`` positions gets ``(n + i, n + j, n + k)`` for patch ``(i, j, k
 text token continues at one more than the largest index used so far (:func:`~ropelib.mrope_positions`).
 
 The ``r/2`` frequency pairs are shared out among the axes by ``mrope_section = (s_t, s_h, s_w)``
-(``s_t + s_h + s_w = r/2``); pair ``i`` is rotated by the position on its axis ``a(i)``:
+(``s_t + s_h + s_w = r/2``); pair ``i`` of a token is rotated by the token's position
+``p_{a(i)}`` on the axis ``a(i)`` of that pair:
 
-.. math:: \theta_{m,i} = p_{a(i)}(m) \cdot f_i, \qquad f_i = \mathrm{theta}^{-2i/r}\ (\text{or a scaling's}),
+.. math:: \text{angle}_i = p_{a(i)} \cdot f_i, \qquad f_i = \mathrm{theta}^{-2i/r}\ (\text{or a scaling's}),
 
 * Qwen2-VL / Qwen2.5-VL (``interleaved=False``): contiguous sections, pairs ``0 .. s_t-1`` to
   time, the next ``s_h`` to height, the last ``s_w`` to width;

@@ -1,4 +1,4 @@
-r"""p-RoPE (Barbero et al., 2024, "Round and Round We Go! What makes Rotary Positional Encodings useful?").
+r"""p-RoPE (Barbero et al., 2025, "Round and Round We Go! What makes Rotary Positional Encodings useful?").
 
 RoPE with only the fraction ``p`` of its *highest* frequencies kept: pair ``i`` of ``d/2`` turns by
 
@@ -41,7 +41,7 @@ def p_rope_scaling(p: float) -> dict[str, object]:
 
 
 class PRotaryEmbedding(RotaryEmbedding):
-    r"""p-RoPE (Barbero et al., 2024): RoPE whose lowest ``1 - p`` of the frequencies are set to zero.
+    r"""p-RoPE (Barbero et al., 2025): RoPE whose lowest ``1 - p`` of the frequencies are set to zero.
 
     Args:
         head_dim: per-head width ``d`` (even); every pair is either rotated or kept as it is.
@@ -81,7 +81,7 @@ class PRotaryEmbedding(RotaryEmbedding):
 
     @property
     def rotated_pairs(self) -> int:
-        """The number of pairs that turn, ``int(p d // 2)`` (the first ones: the highest frequencies)."""
+        """The number of pairs that turn, ``int(p d // 2)``; they are the first pairs, of the highest frequencies."""
         return int(self.p * self.head_dim // 2)
 
     def extra_repr(self) -> str:

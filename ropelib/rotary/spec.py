@@ -20,7 +20,7 @@ from .._validation import check_choice, check_even, check_int, check_positive_fl
 from ..frequencies import ntk_rescaled_theta, pixel_inverse_frequencies
 from ..scaling import ROPE_SCALINGS, frequency_seq_len, inverse_frequencies64, rope_type_of
 
-#: The frequency families, rotary-embedding-torch's ``freqs_for``: ``"lang"`` (``theta^{-2i/r}``) and ``"pixel"``.
+#: The frequency families of rotary-embedding-torch's ``freqs_for``, ``"lang"`` (``theta^{-2i/r}``) and ``"pixel"``.
 FREQS_FOR = ("lang", "pixel")
 
 

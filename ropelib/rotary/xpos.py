@@ -34,8 +34,8 @@ def xpos_decay_rates(head_dim: int, gamma: float = 0.4) -> torch.Tensor:
 class XPos(nn.Module):
     r"""xPos (Sun et al., 2023, "A Length-Extrapolatable Transformer"): RoPE times an exponential decay.
 
-    The query at position ``m`` is rotated as in RoPE and scaled up by ``zeta_i^{(m - c)/B}``; the key at
-    ``n`` is rotated and scaled *down* by ``zeta_i^{(n - c)/B}``. Pair ``i`` of the score
+    The query at position ``m`` is rotated as in RoPE and multiplied by ``zeta_i^{(m - c)/B}``; the key at
+    ``n`` is rotated and *divided* by ``zeta_i^{(n - c)/B}``. Pair ``i`` of the score
     ``q_m . k_n`` is therefore multiplied by
 
     .. math:: \zeta_i^{(m - n) / B},

@@ -1,7 +1,8 @@
 r"""Context-extension scalings of RoPE's frequencies, read from Hugging Face-style ``rope_scaling`` dicts.
 
 A model trained with RoPE at context length ``L`` sees, in pair ``i``, angles ``m * inv_freq[i]``
-for ``m < L``. Running it at ``s * L`` shows it angles it never saw. Every scaling here changes the
+for ``m < L``. Running it at ``s * L`` shows its slow pairs (wavelength ``2 pi / inv_freq[i] > L``)
+angles they never saw. Every scaling here changes the
 inverse frequencies (and possibly multiplies cos and sin by an *attention factor*) so that the
 longer context maps back into familiar angles. One public registry, :data:`~ropelib.scaling.registry.ROPE_SCALINGS`, holds
 one entry per ``rope_type`` (one module each: :mod:`~ropelib.scaling.default`,

@@ -1,4 +1,4 @@
-r"""``rope_type="llama3"``: Llama 3.1's frequency-dependent interpolation (Dubey et al., 2024)."""
+r"""``rope_type="llama3"``: Llama 3.1's frequency-dependent interpolation (Llama Team, AI @ Meta, 2024)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,9 @@ from .registry import factor as read_factor
 from .registry import number, original_length, register_scaling
 
 # Meta's rule; the reference the registry lists for ``rope_type="llama3"``.
-_PAPER = "Dubey et al., 2024, The Llama 3 Herd of Models (arXiv:2407.21783); the rule as released in Meta's code"
+_PAPER = (
+    "Llama Team, AI @ Meta, 2024, The Llama 3 Herd of Models (arXiv:2407.21783); the rule as released in Meta's code"
+)
 
 
 # llama3_scaling is shown whole in book/context_extension.ipynb (literalinclude): it is laid out
@@ -40,7 +42,7 @@ def llama3_scaling(
     max_position_embeddings: int | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, float]:
-    r"""Llama 3.1's frequency-dependent interpolation (Dubey et al., 2024).
+    r"""Llama 3.1's band-wise interpolation (Llama Team, AI @ Meta, 2024).
 
     With ``lambda_low = L / low_freq_factor`` and
     ``lambda_high = L / high_freq_factor``:
@@ -50,10 +52,10 @@ def llama3_scaling(
         inv'_i = \begin{cases}
           inv_i & \lambda_i < \lambda_{high} \\
           inv_i / s & \lambda_i > \lambda_{low} \\
-          (1 - \mu_i)\, inv_i / s + \mu_i\, inv_i & \text{otherwise,}
+          (1 - \eta_i)\, inv_i / s + \eta_i\, inv_i & \text{otherwise,}
         \end{cases}
 
-    where :math:`\mu_i = \frac{L/\lambda_i - low}{high - low}`.
+    where :math:`\eta_i = \frac{L/\lambda_i - low}{high - low}`.
 
     Keys: ``factor`` (8 in Llama 3.1), ``low_freq_factor`` (1),
     ``high_freq_factor`` (4), all required, and

@@ -18,7 +18,8 @@ from .lie import ComRoPEPlug, LieREPlug
 from .mixed import RopeMixedPlug
 from .remap import DualChunkPlug, LeakyReRoPEPlug, ReRoPEPlug, SelfExtendPlug
 
-#: ``position`` name -> plug. No encoding, the two absolute ones, the three relative biases, RoPE.
+#: ``position`` name -> plug class, one entry per encoding of :class:`~ropelib.MultiHeadAttention`
+#: (:data:`~ropelib.attention.mha.POSITION_ENCODINGS` lists the same names, in this order).
 PLUGS: MappingProxyType[str, type[PositionPlug]] = MappingProxyType(
     {
         "none": PositionPlug,

@@ -129,7 +129,8 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
     GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p f_i}``), take one RoPE setting per layer type
     (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
     Qwen3-VL; :mod:`ropelib.rotary.mrope`). Weights, buffers and the state dict are unchanged;
-    logits equal the unpatched model's to float32 rounding (ropelib's angles are more accurate).
+    logits agree with the unpatched model's up to rounding, chiefly that of transformers' float32
+    angles (ropelib forms them in float64), an error that grows with the position.
     A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
     bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
     so the patch also removes that error, which grows with the position.
