@@ -6,7 +6,8 @@ Run after ``jupyter-book build .``; it opens every page listed in ``_toc.yml`` f
 
 * the math is typeset: the page has MathJax output (``mjx-container`` elements) for its math,
   MathJax reported no errors, and no raw TeX (``$$``, ``\\(``, ``\\[``, ``\\begin{``, a control
-  word such as ``\\tau``, a ``$`` opening a formula) is left in the visible text outside code blocks;
+  word such as ``\\tau``, a ``$`` opening a formula) is left in the visible text outside code blocks,
+  nor a Markdown table's separator row (``| --- |``, ``|—|``) that was never parsed;
 * every image loads: each ``<img src>`` of the static page and of the rendered DOM is a local
   file that exists and starts like an image (PNG, JPEG, GIF, WebP or SVG);
 * every internal link resolves: each ``href`` to a local file exists, and its ``#anchor`` is an
@@ -87,6 +88,9 @@ RAW_TEX = ("$$", "\\(", "\\[", "\\begin{")
 # TeX that escaped the math parser (a line of an inline formula read as a list item, say): a
 # control word such as \tau, or a "$" opening a formula, left in the visible prose.
 RAW_TEX_PATTERN = re.compile(r"(?<![\w\\])\\[A-Za-z]{2,}|\$(?=[\\A-Za-z(^_{])")
+# A Markdown table that was not parsed (printed as a paragraph from a cell, say): its separator
+# row, "| --- |" or, after smart quotes, "|—|", left in the visible prose.
+RAW_TABLE_PATTERN = re.compile(r"\|\s*(?:-{3,}|[\u2013\u2014]+)\s*\|")
 # Text inside these elements is code, machinery or already-typeset math, not prose.
 SKIP_TEXT_IN = {
     "script",
@@ -556,6 +560,10 @@ class Checker:
             snippet = text[max(0, hit.start() - 40) : hit.start() + 60]
             problems.append(f"raw TeX '{hit.group()}' in visible text: ...{snippet}...")
             break
+        table = RAW_TABLE_PATTERN.search(text)
+        if table:
+            snippet = text[max(0, table.start() - 40) : table.start() + 60]
+            problems.append(f"a Markdown table left unparsed in visible text: ...{snippet}...")
         for src in set(dom.images) - set(static.images):
             problems += self.image_problems(page_file, src)
         return problems

@@ -25,3 +25,11 @@ def test_prose_without_tex_passes() -> None:
         "The rotation keeps |q| and |k|; costs 3$ at most.",
     ):
         assert PATTERN.search(text) is None, text
+
+
+def test_an_unparsed_markdown_table_is_found() -> None:
+    table = check_rendered_book.RAW_TABLE_PATTERN
+    assert table.search("| family | rows | |\u2014|\u2014| | llama | 3 |")  # smart quotes' dashes
+    assert table.search("| a | b | | --- | --- | | 1 | 2 |")
+    assert table.search("rows 3 \u2014 5 | and | a dash") is None
+    assert table.search("a | b -- c | d") is None
