@@ -6,8 +6,9 @@ sequences longer than the training maximum, relative encodings still extend well
 relative encodings often perform better. This file reads each row's verdict words from the page
 and derives the verdict from ``results/lab_cpu.json`` (two synthetic tasks) and from
 ``results/lab_text_cpu.json`` (the lab on real text, which the table's lead paragraph cites) with
-the chapters' statistics: a one-sided Welch test per comparison, Holm's correction over every
-comparison made for one verdict on one record (:mod:`ropelib.lab.stats`). Each record gives the
+the front page's statistics: a one-sided Welch test per comparison, Holm's correction over every
+comparison made for one verdict on one record (:mod:`ropelib.lab.stats`), a family the seed's
+claim fixes (the lab chapters correct over a wider one, every pair of entries). Each record gives the
 two extrapolation verdicts on its own; the verdict on performance at the training length is
 derived from both records together, as the lead paragraph says. A record that changed a verdict
 fails here.
