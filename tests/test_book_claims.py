@@ -279,7 +279,7 @@ def test_the_performance_row_s_prose_matches_the_records():
 
 def test_the_relative_row_s_prose_matches_the_synthetic_record():
     """T5 and RoPE degrade on both tasks; on repeat ALiBi loses least, then T5, then RoPE; ALiBi
-    does not learn lag at L; past L the sinusoidal model falls below T5 on both tasks and below
+    learns about a third of lag's tokens at L, T5 and RoPE 1.00 (to two places); past L the sinusoidal model falls below T5 on both tasks and below
     ALiBi on repeat, below RoPE on lag, while RoPE's and its seeds overlap on repeat at 4L and 8L."""
     record = load("lab_cpu.json")
     prose = lab_rows()["relative"]["verdict"]
@@ -289,7 +289,9 @@ def test_the_relative_row_s_prose_matches_the_synthetic_record():
     far = str(max(record["config"]["multiples"]))
     assert separated(acc["repeat"]["alibi"][far], acc["repeat"]["t5"][far])
     assert separated(acc["repeat"]["t5"][far], acc["repeat"]["rope"][far])
-    assert max(acc["lag"]["alibi"]["1"]) < 0.5 and separated(acc["lag"]["t5"]["1"], acc["lag"]["alibi"]["1"])
+    assert all(0.3 < a < 0.37 for a in acc["lag"]["alibi"]["1"])  # about a third, every seed
+    assert min(acc["lag"]["t5"]["1"] + acc["lag"]["rope"]["1"]) >= 0.995  # 1.00 to two places
+    assert "learns the lag task only partly (about a third of the tokens at $L$, against 1.00 for T5 and RoPE)" in prose
     longer = [str(m) for m in record["config"]["multiples"] if m > 1]
     assert all(separated(acc[t]["t5"][m], acc[t]["sinusoidal"][m]) for t in acc for m in longer)
     assert all(separated(acc["repeat"]["alibi"][m], acc["repeat"]["sinusoidal"][m]) for m in longer)
