@@ -43,7 +43,7 @@ def sinusoidal_encoding(
         num_positions: number of rows ``n`` (positions ``0 .. n-1``).
         dim: encoding width ``d`` (even).
         base: the wavelength base (10000 in the paper); wavelengths run from
-            ``2*pi`` to ``2*pi*base``.
+            ``2*pi`` to ``2*pi*base^(1-2/d)``, almost ``2*pi*base``.
         dtype: floating dtype of the result; angles are always computed
             in float64.
         device: where to build the table.

@@ -4,8 +4,8 @@ All of them change the score of query ``i`` and key ``j`` to
 
 .. math:: A_{ij} = q_i \cdot k_j + b_{ij}
 
-where ``b_ij`` depends on the relative position ``j - i`` only (Shaw et al., 2018; Raffel et
-al., 2020; Press et al., 2022). Throughout, ``relative_position[i, j] = j - i``: negative for
+where ``b_ij`` depends on the relative position ``j - i`` only (Raffel et al., 2020; Press et
+al., 2022) or on the query and ``j - i`` (Shaw et al., 2018). Throughout, ``relative_position[i, j] = j - i``: negative for
 keys in the past, positive for keys in the future.
 """
 
