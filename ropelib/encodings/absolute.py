@@ -12,15 +12,20 @@ from torch import nn
 from .._validation import check_even, check_float_tensor, check_int, check_positions, check_positive_float
 
 
-def _sinusoid_angles(positions: torch.Tensor, dim: int, base: float) -> torch.Tensor:
-    """``positions[..., None] / base^(2i/dim)`` in float64, shape ``[..., dim // 2]``."""
-    exponent = torch.arange(0, dim, 2, dtype=torch.float64, device=positions.device) / dim
-    inv_freq = base ** (-exponent)
-    return positions.to(torch.float64)[..., None] * inv_freq
+def _sinusoid_angles(
+    positions: torch.Tensor,
+    dim: int,
+    base: float,
+) -> torch.Tensor:
+    """Angles ``p / base^(2i/dim)`` in float64, ``[..., dim // 2]``."""
+    f64 = torch.float64
+    pairs = torch.arange(0, dim, 2, dtype=f64, device=positions.device)
+    inv_freq = base ** (-pairs / dim)
+    return positions.to(f64)[..., None] * inv_freq
 
 
 def _interleave_sin_cos(angles: torch.Tensor) -> torch.Tensor:
-    """``[..., dim/2]`` angles -> ``[..., dim]`` with sin at even and cos at odd features."""
+    """``[..., dim/2]`` angles -> ``[..., dim]``: sin even, cos odd."""
     return torch.stack((angles.sin(), angles.cos()), dim=-1).flatten(-2)
 
 
