@@ -1,7 +1,7 @@
 r"""RoPE's rotation frequencies: ``inv_freq[i] = theta^(-2i/d)`` for the pairs ``i = 0 .. d/2 - 1``.
 
 Pair ``i`` of a vector at position ``m`` is rotated by the angle ``m * inv_freq[i]``
-(Su et al., RoFormer, 2021, eq. 15). This module is the leaf of the package: the plain
+(Su et al., RoFormer, 2024, eq. 15). This module is the leaf of the package: the plain
 frequencies, the number of rotated features, and the cos/sin tables of given positions.
 Everything that changes the frequencies (context-extension scaling, dynamic NTK) lives in
 :mod:`ropelib.scaling` and its entry point :func:`~ropelib.rope_frequencies`.
@@ -120,7 +120,7 @@ def relative_decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> tor
     r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{j=1}^{d/2} |U_j(r)|`.
 
     For a query and key at distance ``r`` the score is :math:`\mathrm{Re}\sum_j h_j e^{i r \theta_j}`;
-    summing by parts (Su et al., 2021, section 3.4.3) bounds it by
+    summing by parts (Su et al., 2024, section 3.4.3) bounds it by
     :math:`\max_j |h_{j+1} - h_j| \sum_j |U_j(r)|` with the partial sums
     :math:`U_j(r) = \sum_{l < j} e^{i r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_j |U_j(r)|`
     (the quantity RoFormer plots): ``(d/2 + 1) / 2`` at ``r = 0``, shrinking on average, with ripples,

@@ -44,17 +44,21 @@ def temperature_of(positions: torch.Tensor, floor_scale: int, attn_scale: float)
 def attention_temperature(positions: torch.Tensor, *, floor_scale: int = 8192, attn_scale: float = 0.1) -> torch.Tensor:
     r"""Llama 4's query temperature on its NoPE layers (``attn_temperature_tuning``).
 
-    .. math:: \tau(p) = 1 + \beta \log\Bigl(\Bigl\lfloor \frac{p + 1}{s} \Bigr\rfloor + 1\Bigr),
+    .. math::
 
-    with ``s = floor_scale`` and ``beta = attn_scale`` (transformers' defaults 8192 and 0.1), ``p``
+        \tau(p) = 1 + \mathtt{attn\_scale} \, \log\Bigl(\Bigl\lfloor
+        \frac{p + 1}{\mathtt{floor\_scale}} \Bigr\rfloor + 1\Bigr),
+
+    with transformers' defaults ``floor_scale = 8192`` and ``attn_scale = 0.1``, ``p``
     the 0-based position (``p + 1`` tokens seen). The query at ``p`` is multiplied by ``tau(p)``:
-    ``tau = 1`` for the first ``s - 1`` positions, then it grows by steps of ``s``. The floor is
+    ``tau = 1`` for the first ``floor_scale - 1`` positions, then it grows by steps of
+    ``floor_scale``. The floor is
     taken on integers, exactly; the result is float64 (the layer rounds it once to ``q``'s dtype).
 
     Args:
         positions: integer tensor of any shape (0-based).
-        floor_scale: ``s`` >= 1.
-        attn_scale: ``beta`` > 0.
+        floor_scale: an integer >= 1.
+        attn_scale: > 0.
 
     Example:
         >>> positions = torch.tensor([0, 2, 3, 7])

@@ -1,4 +1,4 @@
-r"""FIRE (Li et al., 2023): a learned function of the progressively normalised distance as the score bias.
+r"""FIRE (Li et al., 2024): a learned function of the progressively normalised distance as the score bias.
 
 For a causal query at position ``i`` and a key at ``j <= i``,
 

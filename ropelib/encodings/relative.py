@@ -258,8 +258,8 @@ def alibi_bias_from_relative(
 class ShawRelativePosition(nn.Module):
     r"""Shaw et al. (2018)'s clipped relative position embeddings.
 
-    Two learned tables of ``2k + 1`` vectors (``k = max_relative_position``), indexed by
-    ``clip(j - i, -k, k)``. Attention then becomes
+    Two learned tables of ``2 k_max + 1`` vectors (``k_max = max_relative_position``), indexed
+    by ``clip(j - i, -k_max, k_max)``. Attention then becomes
 
     .. math::
 
@@ -271,7 +271,7 @@ class ShawRelativePosition(nn.Module):
 
     Args:
         head_dim: per-head width ``d``.
-        max_relative_position: the clipping distance ``k``.
+        max_relative_position: the clipping distance ``k_max``.
         values: also learn ``a^V`` (the paper's second table).
     """
 

@@ -220,7 +220,7 @@ def rotary_qk(
     seqlen_offsets: int | torch.Tensor = 0,
     tensor_format: str = "bshd",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) in one fused call, gathering cos/sin by position.
+    r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2024) in one fused call, gathering cos/sin by position.
 
     For pair ``i`` of a head at position ``m``, ``(x_a, x_b) -> (x_a c - x_b s, x_b c + x_a s)``
     with ``c = cos[m, i]``, ``s = sin[m, i]`` (``-sin`` when ``conjugate``: the inverse rotation).

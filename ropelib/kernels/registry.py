@@ -122,8 +122,8 @@ def choose_kernel(kernel: str, device: torch.device | str, dtype: torch.dtype = 
     """The kernel that ``kernel`` stands for on ``device`` for ``dtype`` tensors.
 
     ``"auto"`` is Triton on CUDA, the native kernel on the CPU (when a C compiler builds it) and
-    the PyTorch kernel elsewhere; on the CPU Triton only runs in its interpreter, thousands of
-    times slower, so ``"auto"`` never picks it there. A kernel's name stands for itself, and
+    the PyTorch kernel elsewhere; on the CPU Triton only runs in its interpreter, written in
+    Python and far slower, so ``"auto"`` never picks it there. A kernel's name stands for itself, and
     raises :class:`RuntimeError` where that kernel cannot run.
 
     Example:

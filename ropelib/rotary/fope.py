@@ -1,4 +1,4 @@
-r"""FoPE (Hua et al., 2024, "Fourier Position Embedding: Enhancing Attention's Periodic Extension for Length Generalization").
+r"""FoPE (Hua et al., 2025, "Fourier Position Embedding: Enhancing Attention's Periodic Extension for Length Generalization").
 
 RoPE multiplies pair ``j`` of a query or key at position ``m`` (a complex number ``x_j``) by
 ``e^{i omega_j m}``: one frequency per pair. FoPE makes each pair a Fourier series over the
@@ -60,7 +60,7 @@ def fope_kept_pairs(inv_freq: torch.Tensor, train_length: int | None) -> int:
 
 
 class FourierPositionEmbedding(nn.Module):
-    r"""FoPE (Hua et al., 2024): every pair a Fourier series of the trained frequencies (see the module docstring).
+    r"""FoPE (Hua et al., 2025): every pair a Fourier series of the trained frequencies (see the module docstring).
 
     Args:
         head_dim: per-head width ``d`` (even).

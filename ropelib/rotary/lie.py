@@ -11,7 +11,7 @@ reads only the offset. RoPE is the case of ``2 x 2`` blocks ``A = theta_i J``.
 * :class:`ComRoPE` (Yu et al., 2025; the "linearly dependent" parametrisation): block-diagonal
   generators ``A_a = diag_j(s_{a j} B_j)``, one learned skew ``B_j`` per block and a learned scale per
   axis and block. Two of them commute (same blocks, each a multiple of one matrix).
-* :class:`LieRE` (Ostmeier et al., 2024): a free skew ``A_a`` per axis (dense by default). With one
+* :class:`LieRE` (Ostmeier et al., 2025): a free skew ``A_a`` per axis (dense by default). With one
   axis it still has the relative property (one generator commutes with itself); with two or more
   the ``A_a`` do not commute and the property fails.
 
@@ -195,7 +195,7 @@ class ComRoPE(_LieRotation):
 class LieRE(_LieRotation):
     r"""LieRE: ``R(p) = exp(sum_a p_a A_a)`` with a free skew-symmetric generator per axis.
 
-    Ostmeier et al., 2024. ``block_size=None`` (the default) is one dense ``d x d`` generator per
+    Ostmeier et al., 2025. ``block_size=None`` (the default) is one dense ``d x d`` generator per
     axis; a smaller ``b`` makes them block-diagonal. Initialised as :class:`ComRoPE` is, but every
     axis gets its own blocks, so after training (or with ``init_std > 0``) the generators of two
     axes do not commute and ``R(m)^T R(n) != R(n - m)``.

@@ -151,10 +151,11 @@ def mrope_tables(
 class MRotaryEmbedding(nn.Module):
     r"""M-RoPE: rotates queries and keys by three-axis positions (see the module docstring).
 
+    ``head_dim``, ``theta``, ``rotary_dim``, ``scaling`` and ``max_position_embeddings`` are as
+    for :class:`ropelib.RotaryEmbedding` (its frequencies and scalings are used; the
+    length-following ``dynamic`` and ``longrope`` are not supported).
+
     Args:
-        head_dim, theta, rotary_dim, scaling, max_position_embeddings: as for
-            :class:`ropelib.RotaryEmbedding` (its frequencies and scalings are used; the
-            length-following ``dynamic`` and ``longrope`` are not supported).
         mrope_section: ``(s_t, s_h, s_w)``, summing to ``rotary_dim / 2``.
         interleaved: Qwen3-VL's interleaved assignment of pairs to axes (else Qwen2-VL's contiguous sections).
         layout: ``"half"`` (Qwen2-VL in ``transformers``) or ``"interleaved"``.

@@ -1,4 +1,4 @@
-r"""Rotary position embedding (RoPE; Su et al., RoFormer, 2021): :class:`RotaryEmbedding`, a spec, a cache, one operator.
+r"""Rotary position embedding (RoPE; Su et al., RoFormer, 2024): :class:`RotaryEmbedding`, a spec, a cache, one operator.
 
 Each pair of features ``(x_a, x_b)`` of a query or key at position ``m`` is rotated by ``m f_i``:
 

@@ -1,4 +1,4 @@
-"""``rope_type="default"``: plain RoPE, no scaling (Su et al., RoFormer, 2021, eq. 15)."""
+"""``rope_type="default"``: plain RoPE, no scaling (Su et al., RoFormer, 2024, eq. 15)."""
 
 from __future__ import annotations
 

@@ -27,8 +27,9 @@ def yarn_correction_dim(num_rotations: float, rotary_dim: int, theta: float, ori
 
     .. math:: i(r) = \frac{d \, \ln\!\big(L / (2 \pi r)\big)}{2 \ln b}.
 
-    Returned as in Hugging Face's ``find_correction_dim``: a number on the scale of ``d`` of which
-    pair indices ``0 .. d/2 - 1`` are compared directly.
+    Returned as in Hugging Face's ``find_correction_dim``: a fractional pair index, compared
+    directly with ``i = 0 .. d/2 - 1``; :func:`yarn_ramp` clips it to ``[0, d - 1]`` as
+    Hugging Face does (a range on the scale of ``d``, wider than the pairs').
     """
     return rotary_dim * math.log(original_length / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
 

@@ -111,7 +111,7 @@ def rotary_kv_cache_write(
     kernel: str = "auto",
     inplace: bool = False,
 ) -> torch.Tensor:
-    r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2021) and write ``k`` and ``v`` into a KV cache, in one pass.
+    r"""Rotate ``q`` and ``k`` by RoPE (Su et al., 2024) and write ``k`` and ``v`` into a KV cache, in one pass.
 
     Each pair ``i`` of a head at position ``m`` becomes ``(x_a c - x_b s, x_b c + x_a s)``,
     ``c = cos[m, i]``, ``s = sin[m, i]`` (:func:`~ropelib.rotary_qk`'s rotation, the same bits); the

@@ -66,7 +66,7 @@ def rotary_qkv_(
     seqlen_offsets: int | torch.Tensor = 0,
     tensor_format: str = "bshd",
 ) -> torch.Tensor:
-    r"""Rotate the queries and keys of a packed QKV buffer in place (RoPE, Su et al., 2021); the values are kept.
+    r"""Rotate the queries and keys of a packed QKV buffer in place (RoPE, Su et al., 2024); the values are kept.
 
     Args:
         qkv: ``[batch, seq, 3, heads, head_dim]``, or ``[batch, seq, Hq + 2 Hk, head_dim]`` with

@@ -103,7 +103,7 @@ class HFRotaryEmbedding(nn.Module):
     ``c[b, s, i] = a * cos(p * f_i)`` and ``s[b, s, i] = a * sin(p * f_i)`` (``i < r/2``), where
     ``p = position_ids[b, s]``, ``f_i`` are the (scaled) inverse frequencies of the config's
     ``rope_type`` and ``a`` its attention scaling (YaRN's ``0.1 ln(factor) + 1``, LongRoPE's
-    ``sqrt(1 + ln s / ln L)``; 1 otherwise). ``output`` says how (RoFormer, Su et al., 2021, section 3.4.2):
+    ``sqrt(1 + ln s / ln L)``; 1 otherwise). ``output`` says how (RoFormer, Su et al., 2024, section 3.4.2):
 
     * ``"cat"`` (Llama and most models): ``(cat(c, c), cat(s, s))``, ``[batch, seq, r]``, each
       angle written twice because ``transformers`` rotates in the ``"half"`` layout;

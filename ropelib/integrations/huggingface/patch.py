@@ -115,7 +115,7 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
 
     Replaces every rotary module of ``model`` by an :class:`HFRotaryEmbedding` built from the same
     config, and wraps the apply function of the model's modeling module(s) so that ropelib applies
-    ropelib's tables. For the Llama template the rotation is RoFormer's (Su et al., 2021,
+    ropelib's tables. For the Llama template the rotation is RoFormer's (Su et al., 2024,
     section 3.4.2) in the ``"half"`` layout of GPT-NeoX and ``transformers``:
 
     .. math::
