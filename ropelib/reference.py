@@ -41,7 +41,8 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layou
 
     Args:
         x: ``[batch, seq, heads, head_dim]`` floating tensor.
-        cos, sin: ``[seq, r/2]`` or ``[batch, seq, r/2]`` (from :func:`ropelib.cos_sin_table`).
+        cos: ``[seq, r/2]`` or ``[batch, seq, r/2]`` (from :func:`ropelib.cos_sin_table`).
+        sin: the sine table, of ``cos``'s shape.
         layout: ``"half"`` or ``"interleaved"``.
 
     Returns:

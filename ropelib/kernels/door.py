@@ -231,8 +231,9 @@ def rotary_qk(
     Args:
         q: ``[batch, seq, q_heads, head_dim]``, float16, bfloat16, float32 or float64.
         k: ``[batch, seq, kv_heads, head_dim]`` (``kv_heads`` may differ from ``q_heads``: GQA/MQA).
-        cos, sin: ``[table_len, r/2]`` tables, as :meth:`ropelib.RotaryEmbedding.cos_sin_cache`
+        cos: a ``[table_len, r/2]`` table, as :meth:`ropelib.RotaryEmbedding.cos_sin_cache`
             gives (float32; float64 for float64 inputs). The math runs in this dtype.
+        sin: the sine table, of ``cos``'s shape and dtype.
         positions: integers in ``[0, table_len)``, shape ``[seq]``, ``[1, seq]`` or ``[batch, seq]``
             (default ``0 .. seq-1``). Out-of-range values raise (a :class:`ValueError` on the CPU,
             a device-side assertion on a GPU or under compile: see :mod:`ropelib._validation`).
