@@ -1,4 +1,4 @@
-"""The book's bibliography style: pybtex's ``alpha``, with ``et al.`` and author-year labels made unique.
+"""The book's bibliography style: author-year labels, made unique, and ``et al.`` for a truncated list.
 
 * BibTeX writes a truncated author list as ``A and B and C and others``; pybtex's styles print the
   last name ``others`` literally ("A, B, C, and others"). This style prints "A, B, C et al.".
@@ -6,7 +6,10 @@
   (xPos and RetNet). As natbib does, such works get a letter after the year, in the order of the
   bibliography ("2023a", "2023b"), in the citations and in the bibliography alike.
 
-Otherwise it is ``alpha`` (labels such as [BBC+23], sorted by author, year and title).
+* Each entry's label is its citation as the chapters print it, "[Sun et al., 2023a]", rather
+  than ``alpha``'s [SDP+23], so that a reader finds in the list what the text cited.
+
+Otherwise it is pybtex's ``alpha`` style (sorted by author, year and title).
 ``_config.yml`` loads this module as a local Sphinx extension and names the style in
 ``bibtex_default_style``.
 """
@@ -24,7 +27,7 @@ from pybtex.style.formatting.alpha import Style as AlphaStyle
 from pybtex.style.template import FieldIsMissing, join, node, sentence
 
 #: The name ``_config.yml`` gives in ``bibtex_default_style``.
-STYLE_NAME = "alpha_et_al"
+STYLE_NAME = "author_year_et_al"
 
 
 #: The field that keeps an entry's year as written once a letter is added to ``year``.
@@ -42,6 +45,21 @@ def cited_as(entry: Any) -> tuple[str, ...]:
     if not lasts:
         return (entry.fields.get("title", entry.key),)
     return lasts if len(lasts) <= 2 else (lasts[0], "et al.")
+
+
+def _plain(latex: str) -> str:
+    """A name or title as text: braces and TeX markup resolved (``{OpenAI}`` -> ``OpenAI``)."""
+    return Text.from_latex(latex).render_as("text") if "{" in latex or "\\" in latex else latex
+
+
+def citation_label(entry: Any) -> str:
+    """``entry`` as an author-year citation prints it: "Su, 2021a", "Su and Lu, 2021", "Sun et al., 2023"."""
+    names = [_plain(name) for name in cited_as(entry)]
+    if len(names) == 2:
+        authors = f"{names[0]} et al." if names[1] == "et al." else f"{names[0]} and {names[1]}"
+    else:
+        authors = names[0]
+    return f"{authors}, {entry.fields.get('year', 'n.d.')}"
 
 
 def disambiguate_years(entries: Iterable[Any]) -> None:
@@ -82,23 +100,18 @@ def names_et_al(children: Any, context: Any, role: str) -> Text:
 
 
 class EtAlStyle(AlphaStyle):
-    """``alpha`` with ``et al.`` for a truncated list of names and a letter after a shared author-year."""
+    """Author-year labels with a letter after a shared author-year, and ``et al.`` for a truncated list."""
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
-        # pybtex's BaseStyle binds format_labels to its label style in __init__: wrap that binding.
-        self._alpha_labels = self.format_labels
-        self.format_labels = self._labels_then_letters
+        # pybtex's BaseStyle binds format_labels to its label style in __init__: replace that binding.
+        self.format_labels = self._citation_labels
 
-    def _labels_then_letters(self, sorted_entries: Iterable[Any]) -> list[str]:
-        """The alpha labels, from the years as written; then the years of shared citations get their letters."""
+    def _citation_labels(self, sorted_entries: Iterable[Any]) -> list[str]:
+        """Each entry's author-year citation, the years of shared citations with their letters."""
         entries = list(sorted_entries)
-        for entry in entries:  # labels from the years as written, also when formatted a second time
-            if YEAR_AS_WRITTEN in entry.fields:
-                entry.fields["year"] = entry.fields[YEAR_AS_WRITTEN]
-        labels = list(self._alpha_labels(entries))
         disambiguate_years(entries)
-        return labels
+        return [citation_label(entry) for entry in entries]
 
     def format_names(self, role: str, as_sentence: bool = True) -> Any:
         formatted = names_et_al(role)

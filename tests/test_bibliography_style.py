@@ -34,12 +34,13 @@ def test_truncated_lists_end_in_et_al() -> None:
     assert rendered["short"][1] == "Ofir Press et al. Short. 2022."
 
 
-def test_full_lists_and_labels_are_alphas() -> None:
+def test_labels_are_the_author_year_citations() -> None:
     rendered = _rendered()
-    assert rendered["one"] == ("Su21", "Jianlin Su. One. 2021.")
-    assert rendered["two"] == ("SL21", "Jianlin Su and Yu Lu. Two. 2021.")
-    assert rendered["three"] == ("SLP21", "Jianlin Su, Yu Lu, and Shengfeng Pan. Three. 2021.")
-    assert rendered["four"][0] == "BBC+23"
+    # "one", "two" and "three" are all cited "Su ..., 2021" differently, so none needs a letter
+    assert rendered["one"] == ("Su, 2021", "Jianlin Su. One. 2021.")
+    assert rendered["two"] == ("Su and Lu, 2021", "Jianlin Su and Yu Lu. Two. 2021.")
+    assert rendered["three"] == ("Su et al., 2021", "Jianlin Su, Yu Lu, and Shengfeng Pan. Three. 2021.")
+    assert rendered["four"][0] == "Bai et al., 2023"
 
 
 def test_the_book_uses_the_style() -> None:
@@ -65,9 +66,16 @@ def test_works_sharing_an_author_year_citation_get_letters_in_bibliography_order
         years = {entry.key: entry.fields["year"] for entry in ordered}
         assert [entry.key for entry in ordered] == ["alone", "retnet", "xpos", "other_year"]
         assert years == {"retnet": "2023a", "xpos": "2023b", "alone": "2023", "other_year": "2024"}
-        assert labels == ["SD23", "SDH23", "SDP23", "SMW24"]  # the alpha labels, from the years as written
+        assert labels == ["Sun and Dong, 2023", "Sun et al., 2023a", "Sun et al., 2023b", "Sun et al., 2024"]
     text = {e.key: e.text.render_as("text") for e in style.format_entries(entries.values())}
     assert text["xpos"] == "Yutao Sun, Li Dong, and Barun Patra. A Length-Extrapolatable Transformer. 2023b."
+
+
+def test_a_corporate_author_is_labelled_as_written() -> None:
+    entries = parse_string(
+        r"@misc{meta, author = {{Llama Team, AI @ Meta}}, title = {{Herd}}, year = {2024}}", "bibtex"
+    )
+    assert bibliography_style.citation_label(entries.entries["meta"]) == "Llama Team, AI @ Meta, 2024"
 
 
 def test_cited_as_is_the_author_part_of_an_author_year_citation() -> None:
