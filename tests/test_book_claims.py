@@ -299,7 +299,7 @@ def test_the_relative_row_s_prose_matches_the_synthetic_record():
     rope, sin = acc["repeat"]["rope"], acc["repeat"]["sinusoidal"]
     assert all(not separated(rope[m], sin[m]) and not separated(sin[m], rope[m]) for m in ("4", far))
     assert separated(rope["2"], sin["2"])
-    assert "T5 and ALiBi kept more accuracy than the sinusoidal model on repeat at every length" in prose
+    assert "Against the sinusoidal model past $L$: on repeat, T5 and ALiBi kept more accuracy at every length" in prose
     assert "RoPE at $2L$ only (their seeds overlap at $4L$ and $8L$)" in prose
     assert "on lag, T5 and RoPE kept more at every length" in prose
 
