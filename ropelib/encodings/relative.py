@@ -141,9 +141,11 @@ def bucket_of(
 class T5RelativeBias(nn.Module):
     """A learned scalar per (bucket, head), added to the scores: ``b_ij = w[bucket(j - i), head]``.
 
+    ``bidirectional``, ``num_buckets`` and ``max_distance`` are as for
+    :func:`~ropelib.t5_relative_bucket`.
+
     Args:
         num_heads: attention heads (each learns its own bias per bucket).
-        bidirectional, num_buckets, max_distance: see :func:`~ropelib.t5_relative_bucket`.
 
     Shapes:
         ``forward(relative_position)`` takes integer ``j - i`` of shape ``[..., query_len, key_len]``

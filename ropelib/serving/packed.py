@@ -68,13 +68,15 @@ def rotary_qkv_(
 ) -> torch.Tensor:
     r"""Rotate the queries and keys of a packed QKV buffer in place (RoPE, Su et al., 2024); the values are kept.
 
+    ``positions``, ``layout``, ``kernel``, ``seqlen_offsets`` and ``tensor_format`` are as for
+    :func:`~ropelib.rotary_qk`.
+
     Args:
         qkv: ``[batch, seq, 3, heads, head_dim]``, or ``[batch, seq, Hq + 2 Hk, head_dim]`` with
             ``num_heads_q = Hq`` (the query heads first, then ``Hk`` key and ``Hk`` value heads).
             With ``tensor_format="sbhd"`` the first two dimensions are ``[seq, batch]``.
         cos: a ``[table_len, r/2]`` table, as for :func:`~ropelib.rotary_qk`.
         sin: the sine table, of ``cos``'s shape.
-        positions, layout, kernel, seqlen_offsets, tensor_format: as for :func:`~ropelib.rotary_qk`.
         num_heads_q: the number of query heads of the 4-D form (None for the 5-D one).
 
     Returns:
