@@ -264,7 +264,7 @@ def test_the_performance_row_s_prose_matches_the_records():
     none is significantly better, ALiBi significantly worse on lag only; T5 and RoPE match the
     sinusoidal model or score above it on every seed."""
     prose = lab_rows()["performance"]["verdict"]
-    assert "T5, ALiBi and RoPE each beat the sinusoidal model significantly" in prose
+    assert "T5, ALiBi and RoPE each beat the sinusoidal model (confirmed)" in prose
     text = at_training_length(load("lab_text_cpu.json"))
     assert text == {"better": set(RELATIVE), "worse": set()}
     record = load("lab_cpu.json")
