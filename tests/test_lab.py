@@ -341,7 +341,7 @@ def test_run_writes_every_row_with_one_value_per_seed():
 def test_row_labels_are_method_names():
     assert lab.row_label("rope+linear") == "PI" and lab.row_label("rope+ntk") == "NTK-aware"
     assert lab.row_label("rope+yarn+ft") == "YaRN, fine-tuned" and lab.row_label("rope+ft") == "RoPE, fine-tuned"
-    assert lab.row_label("rope+llama3") == "Llama 3" and lab.row_label("none") == "NoPE"
+    assert lab.row_label("rope+llama3") == "Llama 3.1" and lab.row_label("none") == "NoPE"
     assert lab.row_label("xpos") == "xPos" and lab.row_label("rnope_swa") == "RNoPE-SWA"
     for bad in ("rope+nope", "rope+linear+tuned", "nonsense"):
         with pytest.raises(ValueError, match="not a row"):

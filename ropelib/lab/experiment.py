@@ -95,7 +95,7 @@ SCALING_LABELS = {
     "dynamic": "dynamic NTK",
     "yarn": "YaRN",
     "yarn_no_temperature": "YaRN, no temperature",
-    "llama3": "Llama 3",
+    "llama3": "Llama 3.1",
     "logn": "log-n scaling",
 }
 
