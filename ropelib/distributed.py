@@ -40,7 +40,7 @@ does.
 :func:`~ropelib.context_parallel_attention` is the simplest correct CP attention (all-gather KV, as in
 Llama 3 and Megatron's ``cp_comm_type="all_gather"``): every rank gathers the rotated keys,
 values and their positions from all ranks and masks by global positions. Ring attention
-(Liu et al., 2023, arXiv:2310.01889) instead passes KV blocks around a ring and overlaps the
+(Liu et al., 2024, arXiv:2310.01889) instead passes KV blocks around a ring and overlaps the
 transfers with compute, so no rank holds the whole KV.
 
 Tensors are ``[batch, seq, heads, head_dim]``.
