@@ -55,8 +55,9 @@ def llama3_scaling(
           (1 - \eta_i)\, inv_i / s + \eta_i\, inv_i & \text{otherwise,}
         \end{cases}
 
-    where :math:`\eta_i = \frac{L/\lambda_i - f_{low}}{f_{high} - f_{low}}`, with
-    :math:`f_{low}` = ``low_freq_factor`` and :math:`f_{high}` = ``high_freq_factor``.
+    where :math:`\eta_i = \frac{L/\lambda_i - f_{low}}{f_{high} - f_{low}}`,
+    with :math:`f_{low}` = ``low_freq_factor`` and
+    :math:`f_{high}` = ``high_freq_factor``.
 
     Keys: ``factor`` (8 in Llama 3.1), ``low_freq_factor`` (1),
     ``high_freq_factor`` (4), all required, and
