@@ -9,7 +9,8 @@
 * Each entry's label is its citation as the chapters print it, "[Sun et al., 2023a]", rather
   than ``alpha``'s [SDP+23], so that a reader finds in the list what the text cited.
 
-Otherwise it is pybtex's ``alpha`` style (sorted by author, year and title).
+Otherwise it is pybtex's ``alpha`` style, sorted by author, year and title read as text (so that
+``{OpenAI}`` sorts under O).
 ``_config.yml`` loads this module as a local Sphinx extension and names the style in
 ``bibtex_default_style``.
 """
@@ -24,7 +25,11 @@ from typing import Any
 from pybtex.plugin import register_plugin
 from pybtex.richtext import Text
 from pybtex.style.formatting.alpha import Style as AlphaStyle
+from pybtex.style.sorting.author_year_title import SortingStyle as AuthorYearTitleSorting
 from pybtex.style.template import FieldIsMissing, join, node, sentence
+
+#: The sorting style's plugin name (author, year, title, with braces and TeX markup read as text).
+SORTING_NAME = "author_year_title_as_text"
 
 #: The name ``_config.yml`` gives in ``bibtex_default_style``.
 STYLE_NAME = "author_year_et_al"
@@ -99,8 +104,22 @@ def names_et_al(children: Any, context: Any, role: str) -> Text:
     return join(sep=", ", sep2=" and ", last_sep=", and ")[formatted].format_data(context)
 
 
+class AsTextSorting(AuthorYearTitleSorting):
+    """pybtex's author-year-title order on the names as text: ``{OpenAI}`` sorts under O, not after Z."""
+
+    def sorting_key(self, entry: Any) -> tuple[str, str, str]:
+        author, year, title = super().sorting_key(entry)
+        return _plain(author).lower(), year, _plain(title).lower()
+
+
+# Registered on import: the formatting style finds its sorting style by name when it is made.
+register_plugin("pybtex.style.sorting", SORTING_NAME, AsTextSorting)
+
+
 class EtAlStyle(AlphaStyle):
     """Author-year labels with a letter after a shared author-year, and ``et al.`` for a truncated list."""
+
+    default_sorting_style = SORTING_NAME
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

@@ -84,3 +84,16 @@ def test_cited_as_is_the_author_part_of_an_author_year_citation() -> None:
     assert bibliography_style.cited_as(entries["alone"]) == ("Sun", "Dong")
     assert bibliography_style.cited_as(entries["one"]) == ("Su",)
     assert bibliography_style.cited_as(entries["four"]) == ("Bai", "et al.")  # "others" counts as a person
+
+
+def test_corporate_authors_sort_as_text() -> None:
+    style = bibliography_style.EtAlStyle()
+    entries = parse_string(
+        r"""
+@misc{openai, author = {{OpenAI}}, title = {{Card}}, year = {2025}}
+@misc{zhu, author = {Zhu, Dawei}, title = {{PoSE}}, year = {2024}}
+@misc{abdin, author = {Abdin, Marah}, title = {{Phi}}, year = {2024}}
+""",
+        "bibtex",
+    ).entries
+    assert [entry.key for entry in style.sort(entries.values())] == ["abdin", "openai", "zhu"]
