@@ -265,6 +265,8 @@ def test_the_performance_row_s_prose_matches_the_records():
     sinusoidal model or score above it on every seed."""
     prose = lab_rows()["performance"]["verdict"]
     assert "T5, ALiBi and RoPE each beat the sinusoidal model (confirmed)" in prose
+    assert "no lead is confirmed (T5 and RoPE are above it on repeat on every seed and level with it on lag)" in prose
+    assert "ALiBi is confirmed worse on the lag task" in prose
     text = at_training_length(load("lab_text_cpu.json"))
     assert text == {"better": set(RELATIVE), "worse": set()}
     record = load("lab_cpu.json")
