@@ -87,7 +87,7 @@ def cos_sin_table(
     attention_scaling: float = 1.0,
     dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    r"""``cos(p * inv_freq) * s`` and ``sin(p * inv_freq) * s`` for integer ``positions``.
+    r"""``cos`` and ``sin`` of ``p * inv_freq``, times ``attention_scaling``, for integer ``positions``.
 
     The product ``p * inv_freq`` is formed in float64 and rounded to ``dtype`` only after the
     cosine: the usual float32 path (a float32 frequency, a float32 product) loses up to about
@@ -99,7 +99,7 @@ def cos_sin_table(
     Args:
         inv_freq: ``[r/2]`` inverse frequencies (float64 recommended), finite.
         positions: integer tensor of any shape (negative positions rotate backwards).
-        attention_scaling: the factor ``s`` (YaRN's temperature; 1 otherwise), finite and > 0.
+        attention_scaling: the factor on both tables (YaRN's temperature; 1 otherwise), finite and > 0.
         dtype: floating dtype of the returned tables.
 
     Returns:
