@@ -329,6 +329,31 @@ def test_the_lead_paragraph_s_text_lab_reading_matches_the_text_record():
     assert max(retrieval(rows["sinusoidal"], 2)) < 0.1 < min(retrieval(rows["sinusoidal"], 1))
 
 
+WORDS = {2: "two", 3: "three", 4: "four"}  #: a count the page spells; another fails here
+
+
+def test_the_lead_paragraph_s_synthetic_lab_scale_is_the_record_s():
+    """Two-layer models of width 64 over three seeds: as the synthetic record ran."""
+    lead = " ".join(claims_section().split("\n| ")[0].split())
+    config = load("lab_cpu.json")["config"]
+    layers, seeds = WORDS[config["num_layers"]], WORDS[len(config["seeds"])]
+    assert (
+        f"trains {layers}-layer models of width {config['embed_dim']} on two synthetic tasks over {seeds} seeds"
+    ) in lead
+
+
+def test_the_lead_paragraph_s_text_lab_scale_is_the_text_record_s():
+    """Three layers of width 64, 1200 steps on 64-byte windows, three seeds: as the record ran."""
+    lead = " ".join(claims_section().split("\n| ")[0].split())
+    config = load("lab_text_cpu.json")["config"]
+    layers, seeds = WORDS[config["num_layers"]], WORDS[len(config["seeds"])]
+    assert (
+        f"byte-level language models of {layers} layers and width {config['embed_dim']}, trained for "
+        f"{config['steps']} steps on {config['train_length']}-byte windows of Python's standard "
+        f"library over {seeds} seeds, so its verdicts hold on that corpus at that scale"
+    ) in lead
+
+
 def test_a_record_that_contradicts_a_verdict_changes_it():
     """The derivation can fail: a sinusoidal model that does not drop, relative ones that hold up."""
     record = load("lab_cpu.json")
