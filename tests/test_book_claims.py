@@ -332,11 +332,16 @@ def test_the_lead_paragraph_s_text_lab_reading_matches_the_text_record():
 WORDS = {2: "two", 3: "three", 4: "four"}  #: a count the page spells; another fails here
 
 
+def lead_and_scale(record: str) -> tuple[str, dict, str, str]:
+    """The claims table's lead paragraph on one line, and a record's config with its layer and seed counts in words."""
+    lead = " ".join(claims_section().split("\n| ")[0].split())
+    config = load(record)["config"]
+    return lead, config, WORDS[config["num_layers"]], WORDS[len(config["seeds"])]
+
+
 def test_the_lead_paragraph_s_synthetic_lab_scale_is_the_record_s():
     """Two-layer models of width 64 over three seeds: as the synthetic record ran."""
-    lead = " ".join(claims_section().split("\n| ")[0].split())
-    config = load("lab_cpu.json")["config"]
-    layers, seeds = WORDS[config["num_layers"]], WORDS[len(config["seeds"])]
+    lead, config, layers, seeds = lead_and_scale("lab_cpu.json")
     assert (
         f"trains {layers}-layer models of width {config['embed_dim']} on two synthetic tasks over {seeds} seeds"
     ) in lead
@@ -344,9 +349,7 @@ def test_the_lead_paragraph_s_synthetic_lab_scale_is_the_record_s():
 
 def test_the_lead_paragraph_s_text_lab_scale_is_the_text_record_s():
     """Three layers of width 64, 1200 steps on 64-byte windows, three seeds: as the record ran."""
-    lead = " ".join(claims_section().split("\n| ")[0].split())
-    config = load("lab_text_cpu.json")["config"]
-    layers, seeds = WORDS[config["num_layers"]], WORDS[len(config["seeds"])]
+    lead, config, layers, seeds = lead_and_scale("lab_text_cpu.json")
     assert (
         f"byte-level language models of {layers} layers and width {config['embed_dim']}, trained for "
         f"{config['steps']} steps on {config['train_length']}-byte windows of Python's standard "
