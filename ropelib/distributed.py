@@ -1,34 +1,34 @@
 r"""RoPE at scale: context parallelism.
 
-Context parallelism (CP) splits one long sequence over ``W`` ranks along ``seq``: each rank
-holds ``S / W`` tokens of ``q``, ``k`` and ``v`` and computes the attention output of its own
+Context parallelism (CP) splits one long sequence over ``G`` ranks along ``seq``: each rank
+holds ``N / G`` tokens of ``q``, ``k`` and ``v`` and computes the attention output of its own
 queries against the keys of the whole sequence. Two things must be right for RoPE:
 
 * **Global positions.** A rank's tokens must be rotated by their positions in the *full*
-  sequence, not by ``0 .. S/W - 1``: the score ``<R_m q, R_n k>`` depends on ``m - n``, and
+  sequence, not by ``0 .. N/G - 1``: the score ``<R_m q, R_n k>`` depends on ``m - n``, and
   ``m``, ``n`` are global. :func:`~ropelib.shard_positions` gives those positions (Megatron-core slices
   its rotary table the same way in ``get_pos_emb_on_this_cp_rank``).
 * **The causal mask by global positions**: key ``n`` is visible to query ``m`` iff ``n <= m``.
 
 **Why load balancing matters.** With a causal mask the query at position ``p`` attends to
-``p + 1`` keys. Cut into contiguous shards of ``L = S / W`` tokens, rank ``r`` holds positions
-``[rL, (r+1)L)`` and does ``sum_p (p + 1) = L (rL + (L+1)/2) ~ L^2 (r + 1/2)`` units of work:
-the last rank does about ``(W - 1/2) / (1/2) = 2W - 1`` times the work of the first, and a
+``p + 1`` keys. Cut into contiguous shards of ``N_s = N / G`` tokens, rank ``g`` holds positions
+``[g N_s, (g+1) N_s)`` and does ``sum_p (p + 1) = N_s (g N_s + (N_s+1)/2) ~ N_s^2 (g + 1/2)``
+units of work: the last rank does about ``(G - 1/2) / (1/2) = 2G - 1`` times the work of the first, and a
 kernel that skips masked blocks (flash attention, ring attention) leaves the first ranks idle.
-The load-balanced ("head-tail", "zigzag") layout cuts the sequence into ``2W`` chunks of
-``c = S / (2W)`` tokens and gives rank ``r`` the chunks ``r`` and ``2W - 1 - r``; its work is
-``c (rc + (c+1)/2) + c ((2W-1-r)c + (c+1)/2) = c (2Wc + 1)`` on every rank, exactly. This is
+The load-balanced ("head-tail", "zigzag") layout cuts the sequence into ``2G`` chunks of
+``c = N / (2G)`` tokens and gives rank ``g`` the chunks ``g`` and ``2G - 1 - g``; its work is
+``c (gc + (c+1)/2) + c ((2G-1-g)c + (c+1)/2) = c (2Gc + 1)`` on every rank, exactly. This is
 the layout of Megatron-core (``get_batch_on_this_cp_rank``, ``get_pos_emb_on_this_cp_rank``),
 TransformerEngine's context parallelism, Llama 3's all-gather CP (Llama Team, AI @ Meta, 2024, §3.3.2)
 and PyTorch's ``torch.distributed.tensor.experimental.context_parallel``, whose default load
 balancer (``_HeadTailLoadBalancer``, the "round-robin" one of ``context_parallel_unshard``)
-builds the same index: for ``S = 16, W = 4`` rank 0 holds ``[0, 1, 14, 15]`` and rank 3 holds
+builds the same index: for ``N = 16, G = 4`` rank 0 holds ``[0, 1, 14, 15]`` and rank 3 holds
 ``[6, 7, 8, 9]``, as :func:`~ropelib.shard_positions` does. So a buffer sharded by PyTorch's
 ``context_parallel(mesh, buffers=[...], buffer_seq_dims=[...])`` lines up token for token with
 :func:`~ropelib.shard_sequence` and :func:`~ropelib.shard_positions`.
 
 **PyTorch's context_parallel on a CPU (torch 2.13, gloo).** Tried with 2 and 4 processes on
-``init_device_mesh("cpu", (W,))``: the buffer sharding and ``context_parallel_unshard`` work and
+``init_device_mesh("cpu", (G,))``: the buffer sharding and ``context_parallel_unshard`` work and
 give the layout above, but ``scaled_dot_product_attention`` inside the context fails. The CPU
 dispatches to ``aten._scaled_dot_product_flash_attention_for_cpu``, which has no DTensor
 sharding strategy ("does not have a sharding strategy registered"); the ring-attention handlers
@@ -102,21 +102,21 @@ def shard_positions(
     """Global positions of the tokens that ``rank`` holds under context parallelism.
 
     With ``load_balance=True`` the sequence is cut into ``2 * world_size`` chunks of
-    ``c = seq_len / (2 * world_size)`` tokens and rank ``r`` holds chunks ``r`` and
-    ``2 * world_size - 1 - r``, in that order (Megatron-core, TransformerEngine, PyTorch's
+    ``c = seq_len / (2 * world_size)`` tokens and rank ``g`` holds chunks ``g`` and
+    ``2 * world_size - 1 - g``, in that order (Megatron-core, TransformerEngine, PyTorch's
     head-tail load balancer); every rank then does the same causal-attention work. With
-    ``load_balance=False`` rank ``r`` holds the contiguous ``[r L, (r + 1) L)``, ``L = seq_len / world_size``.
+    ``load_balance=False`` rank ``g`` holds the contiguous ``[g N_s, (g + 1) N_s)``, ``N_s = seq_len / world_size``.
 
     Args:
-        seq_len: the full sequence length ``S``; divisible by ``2 * world_size`` (load-balanced)
+        seq_len: the full sequence length ``N``; divisible by ``2 * world_size`` (load-balanced)
             or ``world_size``.
-        world_size: the number of context-parallel ranks ``W >= 1``.
+        world_size: the number of context-parallel ranks ``G >= 1``.
         rank: this rank, ``0 <= rank < world_size``.
-        load_balance: the 2W-chunk layout (default) or contiguous shards.
+        load_balance: the 2G-chunk layout (default) or contiguous shards.
         device: where to put the result.
 
     Returns:
-        int64 ``[S / W]``, to pass as ``positions`` to :class:`ropelib.RotaryEmbedding`.
+        int64 ``[N / G]``, to pass as ``positions`` to :class:`ropelib.RotaryEmbedding`.
 
     Example:
         >>> from ropelib.distributed import shard_positions
@@ -150,8 +150,8 @@ def shard_sequence(
 def unshard_sequence(shards: Sequence[torch.Tensor], *, dim: int = 1, load_balance: bool = True) -> torch.Tensor:
     """Put the shards of all ranks back into the full sequence (the inverse of :func:`~ropelib.shard_sequence`).
 
-    With ``load_balance=True`` shard ``r`` is ``[chunk r, chunk 2W-1-r]``, so the sequence is the
-    first halves of ranks ``0 .. W-1`` followed by the second halves of ranks ``W-1 .. 0``.
+    With ``load_balance=True`` shard ``g`` is ``[chunk g, chunk 2G-1-g]``, so the sequence is the
+    first halves of ranks ``0 .. G-1`` followed by the second halves of ranks ``G-1 .. 0``.
 
     Args:
         shards: the ``world_size`` shards in rank order, all of the same shape, dtype and device
