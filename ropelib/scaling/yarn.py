@@ -14,7 +14,7 @@ from .registry import number, original_length, register_scaling
 
 
 def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
-    r"""YaRN's temperature factor ``0.1 * mscale * ln(s) + 1`` for ``s > 1``, else 1 (Peng et al., 2024, eq. 22)."""
+    r"""YaRN's temperature factor ``0.1 * mscale * ln(s) + 1`` for ``s > 1``, else 1 (Peng et al., 2024)."""
     if scale <= 1.0:
         return 1.0
     return 0.1 * mscale * math.log(scale) + 1.0
