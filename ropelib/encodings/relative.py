@@ -229,7 +229,7 @@ def alibi_bias(
     dtype: torch.dtype = torch.float32,
     alibi_bias_max: float = 8.0,
 ) -> torch.Tensor:
-    r"""ALiBi's bias ``b_ij = -mu_h |j - i|``, shape ``[num_heads, query_len, key_len]``.
+    r"""ALiBi's bias ``b_ij = -mu_h |j - i|`` (``-mu_h (i - j)`` under a causal mask), shape ``[num_heads, query_len, key_len]``.
 
     In a causal model only ``j <= i`` survives the mask, where this is the paper's
     ``m (j - i)`` (``mu_h`` here); the absolute value makes the same bias usable without a causal mask. The
