@@ -537,7 +537,7 @@ def test_dynamic_state_follows_transformers() -> None:
 
 
 def test_yarn_attention_scaling_matches_the_paper() -> None:
-    # YaRN (Peng et al., 2023, eq. 22): sqrt(1/t) = 0.1 ln(s) + 1 with s = 4.
+    # YaRN (Peng et al., 2024): sqrt(1/t) = 0.1 ln(s) + 1 with s = 4.
     rotary = patch_hf_rope(tiny_model("llama", "yarn")).model.rotary_emb
     assert rotary.attention_scaling == pytest.approx(0.1 * math.log(4.0) + 1.0, rel=1e-12)
     cos, _ = rotary(torch.zeros(1), torch.zeros(1, 1, dtype=torch.long))
