@@ -264,7 +264,10 @@ def test_the_performance_row_s_prose_matches_the_records():
     none is significantly better, ALiBi significantly worse on lag only; T5 and RoPE match the
     sinusoidal model or score above it on every seed."""
     prose = lab_rows()["performance"]["verdict"]
-    assert "T5, ALiBi and RoPE each beat the sinusoidal model (confirmed)" in prose
+    assert (
+        "T5, ALiBi and RoPE each beat the sinusoidal model (confirmed, though not significant in the lab chapter's wider family)"
+        in prose
+    )
     assert (
         "T5 and RoPE are separated above it on repeat and level with it on lag, but with three seeds neither lead is confirmed"
         in prose
