@@ -5,12 +5,11 @@
 * The chapters cite by author and year ("Sun et al., 2023"), and two works can share that text
   (xPos and RetNet). As natbib does, such works get a letter after the year, in the order of the
   bibliography ("2023a", "2023b"), in the citations and in the bibliography alike.
-
 * Each entry's label is its citation as the chapters print it, "[Sun et al., 2023a]", rather
   than ``alpha``'s [SDP+23], so that a reader finds in the list what the text cited.
 
-Otherwise it is pybtex's ``alpha`` style, sorted by author, year and title read as text (so that
-``{OpenAI}`` sorts under O).
+Entries are formatted as pybtex's ``unsrt`` (and ``alpha``) style formats them, sorted by
+author, year and title read as text (so that ``{OpenAI}`` sorts under O).
 ``_config.yml`` loads this module as a local Sphinx extension and names the style in
 ``bibtex_default_style``.
 """
@@ -24,7 +23,7 @@ from typing import Any
 
 from pybtex.plugin import register_plugin
 from pybtex.richtext import Text
-from pybtex.style.formatting.alpha import Style as AlphaStyle
+from pybtex.style.formatting.unsrt import Style as UnsrtStyle
 from pybtex.style.sorting.author_year_title import SortingStyle as AuthorYearTitleSorting
 from pybtex.style.template import FieldIsMissing, join, node, sentence
 
@@ -88,7 +87,7 @@ def disambiguate_years(entries: Iterable[Any]) -> None:
 
 @node
 def names_et_al(children: Any, context: Any, role: str) -> Text:
-    """The names of ``role`` joined as ``alpha`` joins them, with a final ``others`` as "et al."."""
+    """The names of ``role`` joined as ``unsrt`` joins them, with a final ``others`` as "et al."."""
     if children:
         raise ValueError(children)
     try:
@@ -116,7 +115,7 @@ class AsTextSorting(AuthorYearTitleSorting):
 register_plugin("pybtex.style.sorting", SORTING_NAME, AsTextSorting)
 
 
-class EtAlStyle(AlphaStyle):
+class EtAlStyle(UnsrtStyle):
     """Author-year labels with a letter after a shared author-year, and ``et al.`` for a truncated list."""
 
     default_sorting_style = SORTING_NAME

@@ -551,19 +551,20 @@ class Checker:
         for message in dom.mjx_errors:
             problems.append(f"MathJax error: {message}")
         text = " ".join(" ".join(dom.text).split())
+
+        def around(at: int) -> str:
+            return text[max(0, at - 40) : at + 60]
+
         for token in RAW_TEX:
             at = text.find(token)
             if at >= 0:
-                snippet = text[max(0, at - 40) : at + 60]
-                problems.append(f"raw TeX '{token}' in visible text: ...{snippet}...")
-        for hit in RAW_TEX_PATTERN.finditer(text):
-            snippet = text[max(0, hit.start() - 40) : hit.start() + 60]
-            problems.append(f"raw TeX '{hit.group()}' in visible text: ...{snippet}...")
-            break
+                problems.append(f"raw TeX '{token}' in visible text: ...{around(at)}...")
+        tex = RAW_TEX_PATTERN.search(text)
+        if tex:
+            problems.append(f"raw TeX '{tex.group()}' in visible text: ...{around(tex.start())}...")
         table = RAW_TABLE_PATTERN.search(text)
         if table:
-            snippet = text[max(0, table.start() - 40) : table.start() + 60]
-            problems.append(f"a Markdown table left unparsed in visible text: ...{snippet}...")
+            problems.append(f"a Markdown table left unparsed in visible text: ...{around(table.start())}...")
         for src in set(dom.images) - set(static.images):
             problems += self.image_problems(page_file, src)
         return problems
