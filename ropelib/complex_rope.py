@@ -19,7 +19,7 @@ def precompute_pos_cis(
     theta: float = 1e6,
 ) -> torch.Tensor:
     r"""The unit complex numbers ``e^{i m theta_j}`` for positions
-    ``m < end``, ``theta_j = theta^{-2j/dim}``.
+    ``m < end``, ``theta_i = base^{-2i/dim}``.
 
     Args:
         dim: head dimension (even); there are ``dim // 2`` frequencies.

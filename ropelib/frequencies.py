@@ -1,4 +1,4 @@
-r"""RoPE's rotation frequencies: ``inv_freq[i] = theta^(-2i/d)`` for the pairs ``i = 0 .. d/2 - 1``.
+r"""RoPE's rotation frequencies: ``inv_freq[i] = base^(-2i/d_rot)`` for the pairs ``i = 0 .. d_rot/2 - 1``.
 
 Pair ``i`` of a vector at position ``m`` is rotated by the angle ``m * inv_freq[i]``
 (Su et al., RoFormer, 2024, eq. 15). This module is the leaf of the package: the plain
@@ -97,13 +97,13 @@ def cos_sin_table(
     not the largest position.
 
     Args:
-        inv_freq: ``[r/2]`` inverse frequencies (float64 recommended), finite.
+        inv_freq: ``[d_rot/2]`` inverse frequencies (float64 recommended), finite.
         positions: integer tensor of any shape (negative positions rotate backwards).
         attention_scaling: the factor on both tables (YaRN's temperature; 1 otherwise), finite and > 0.
         dtype: floating dtype of the returned tables.
 
     Returns:
-        ``(cos, sin)``, each of shape ``positions.shape + (r/2,)``.
+        ``(cos, sin)``, each of shape ``positions.shape + (d_rot/2,)``.
     """
     check_float_tensor(inv_freq, "inv_freq", ndim=1)
     if not isinstance(positions, torch.Tensor) or positions.dtype.is_floating_point or positions.dtype.is_complex:

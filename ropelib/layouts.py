@@ -1,6 +1,6 @@
 r"""Which features of a head form RoPE's rotated pairs, and how to move weights between the two conventions.
 
-* ``"half"`` (GPT-NeoX, Hugging Face ``rotate_half``): pair ``i`` is ``(x[i], x[i + r/2])``;
+* ``"half"`` (GPT-NeoX, Hugging Face ``rotate_half``): pair ``i`` is ``(x[i], x[i + d_rot/2])``;
 * ``"interleaved"`` (GPT-J, Meta's complex-number code, the seed): pair ``i`` is ``(x[2i], x[2i+1])``.
 
 Both give the same scores once the projections are permuted to match
@@ -13,13 +13,13 @@ import torch
 
 from ._validation import check_choice, check_even, check_float_tensor, check_int
 
-#: Which features form a rotated pair. ``"half"`` pairs ``(i, i + r/2)`` (GPT-NeoX, Hugging Face),
+#: Which features form a rotated pair. ``"half"`` pairs ``(i, i + d_rot/2)`` (GPT-NeoX, Hugging Face),
 #: ``"interleaved"`` pairs ``(2i, 2i + 1)`` (GPT-J, Meta's LLaMA code, the seed post).
 LAYOUTS = ("half", "interleaved")
 
 
 def pair_features(per_pair: torch.Tensor, layout: str) -> torch.Tensor:
-    """``[..., r/2]`` per-pair values -> ``[..., r]`` per-feature values (both features of a pair alike)."""
+    """``[..., d_rot/2]`` per-pair values -> ``[..., d_rot]`` per-feature values (both features of a pair alike)."""
     if layout == "half":
         return torch.cat((per_pair, per_pair), dim=-1)
     return per_pair.repeat_interleave(2, dim=-1)

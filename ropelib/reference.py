@@ -17,7 +17,7 @@ from .layouts import LAYOUTS
 
 
 def _check_cos_sin(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
-    """``cos``/``sin`` of shape ``[seq, r/2]`` or ``[batch, seq, r/2]`` matching ``x`` = ``[batch, seq, heads, d]``."""
+    """``cos``/``sin`` of shape ``[seq, d_rot/2]`` or ``[batch, seq, d_rot/2]`` matching ``x`` = ``[batch, seq, heads, d]``."""
     check_float_tensor(cos, "cos")
     check_float_tensor(sin, "sin")
     if cos.shape != sin.shape:
@@ -41,7 +41,7 @@ def apply_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, layou
 
     Args:
         x: ``[batch, seq, heads, head_dim]`` floating tensor.
-        cos: ``[seq, r/2]`` or ``[batch, seq, r/2]`` (from :func:`ropelib.cos_sin_table`).
+        cos: ``[seq, d_rot/2]`` or ``[batch, seq, d_rot/2]`` (from :func:`ropelib.cos_sin_table`).
         sin: the sine table, of ``cos``'s shape.
         layout: ``"half"`` or ``"interleaved"``.
 

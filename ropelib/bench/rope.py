@@ -95,7 +95,7 @@ def rope_bytes(
 def _full_width(
     cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, r/2]`` tables widened to ``[S, 1, r]`` in ``dtype``, the way eager code holds them."""
+    """``[S, d_rot/2]`` tables widened to ``[S, 1, r]`` in ``dtype``, the way eager code holds them."""
     if layout == "half":
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     else:
@@ -130,7 +130,7 @@ def implementations(
 ) -> tuple[dict[str, tuple[Impl, str]], dict[str, str]]:
     """The implementations available here: name -> (function, the layout it computes), and name -> why skipped.
 
-    ``cos``/``sin`` are the float32 ``[seq, r/2]`` tables. Peers that only know the interleaved
+    ``cos``/``sin`` are the float32 ``[seq, d_rot/2]`` tables. Peers that only know the interleaved
     pairing (the seed's complex code, rotary-embedding-torch) are timed in both runs and checked
     against the interleaved reference.
     """

@@ -187,16 +187,16 @@ class T5RelativeBias(nn.Module):
 def alibi_slopes(num_heads: int, *, alibi_bias_max: float = 8.0) -> torch.Tensor:
     r"""ALiBi's per-head slopes (Press et al., 2022, section 3), with MPT's ``alibi_bias_max``.
 
-    For ``n`` a power of two the slopes are the geometric sequence
-    ``2^(-B/n), 2^(-2B/n), ..., 2^(-B)`` with ``B = alibi_bias_max`` (8 in the paper). Otherwise,
-    with ``m`` the largest power of two below ``n``, the first ``m`` slopes are those of ``m``
-    heads and the remaining ``n - m`` are every other slope of ``2m`` heads
-    (``2^(-B/2m), 2^(-3B/2m), ...``), the rule in the paper's code. This is MPT's ``gen_slopes``
-    (``1 / 2^(B i / 2^ceil(log2 n))`` for ``i = 1 .. 2^ceil(log2 n)``, the even-``i`` slopes first,
-    then the odd ones, cut to ``n``) written in float64.
+    For ``H`` heads, ``H`` a power of two, the slopes are the geometric sequence
+    ``2^(-B/H), 2^(-2B/H), ..., 2^(-B)`` with ``B = alibi_bias_max`` (8 in the paper). Otherwise,
+    with ``H'`` the largest power of two below ``H``, the first ``H'`` slopes are those of ``H'``
+    heads and the remaining ``H - H'`` are every other slope of ``2H'`` heads
+    (``2^(-B/2H'), 2^(-3B/2H'), ...``), the rule in the paper's code. This is MPT's ``gen_slopes``
+    (``1 / 2^(B i / 2^ceil(log2 H))`` for ``i = 1 .. 2^ceil(log2 H)``, the even-``i`` slopes first,
+    then the odd ones, cut to ``H``) written in float64.
 
     Args:
-        num_heads: ``n >= 1``.
+        num_heads: ``H >= 1``.
         alibi_bias_max: ``B``, finite and > 0 (MPT's config key; 8 gives the paper's slopes).
 
     Returns:
@@ -266,7 +266,7 @@ class ShawRelativePosition(nn.Module):
     .. math::
 
         e_{ij} = \frac{q_i \cdot (k_j + a^K_{ij})}{\sqrt{d}}, \qquad
-        z_i = \sum_j \alpha_{ij} (v_j + a^V_{ij}),
+        z_i = \sum_j a_{ij} (v_j + a^V_{ij}),
 
     so the bias ``b_ij = q_i \cdot a^K_{ij} / \sqrt{d}`` depends on the query as well as on ``j - i``.
     The tables are shared by all heads, as in the paper.
@@ -309,7 +309,7 @@ class ShawRelativePosition(nn.Module):
         return torch.einsum("bhid,bijd->bhij", q, table) / math.sqrt(self.head_dim)
 
     def value_term(self, weights: torch.Tensor, relative_position: torch.Tensor) -> torch.Tensor:
-        r"""``\sum_j \alpha_{ij} a^V_{ij}`` for attention weights ``[batch, heads, query_len, key_len]``.
+        r"""``\sum_j a_{ij} a^V_{ij}`` for attention weights ``[batch, heads, query_len, key_len]``.
 
         Returns ``[batch, heads, query_len, d]``.
         """

@@ -50,9 +50,9 @@ def rotate(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The rotation behind :func:`~ropelib.rotary_qk`, unchecked: one call of ``ropelib::rotary`` (or ``rotary_``).
 
-    ``q``/``k`` ``[B, S, H, D]``; ``cos``/``sin`` ``[L, r/2]`` in the compute dtype (float32, float64
+    ``q``/``k`` ``[B, S, H, D]``; ``cos``/``sin`` ``[L, d_rot/2]`` in the compute dtype (float32, float64
     for float64 inputs); ``positions`` int64 ``[S]`` or ``[B, S]``, in ``[0, L)`` unless
-    ``frequencies`` (float64 ``[r/2 + 1]``) is given; ``cu_seqlens`` a checked packed row's lengths.
+    ``frequencies`` (float64 ``[d_rot/2 + 1]``) is given; ``cu_seqlens`` a checked packed row's lengths.
     """
     if inplace:
         rotary_(q, k, cos, sin, positions, frequencies, cu_seqlens, interleaved, conjugate, kernel)
@@ -63,10 +63,10 @@ def rotate(
 def rotate_token_tables(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, *, interleaved: bool, kernel: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate ``q, k`` ``[batch, seq, heads, d]`` by a row per token, ``cos``/``sin`` ``[seq, r/2]`` or
-    ``[1 or batch, seq, r/2]``; unchecked.
+    """Rotate ``q, k`` ``[batch, seq, heads, d]`` by a row per token, ``cos``/``sin`` ``[seq, d_rot/2]`` or
+    ``[1 or batch, seq, d_rot/2]``; unchecked.
 
-    The tables are one ``[rows, r/2]`` table whose row ``b * seq + s`` (or ``s``, shared by the
+    The tables are one ``[rows, d_rot/2]`` table whose row ``b * seq + s`` (or ``s``, shared by the
     batch) belongs to token ``(b, s)``: positions need no range check. Used where the rows are
     made per token (M-RoPE, axial RoPE, the Hugging Face stand-in).
     """
@@ -134,7 +134,7 @@ def offset_positions(seqlen_offsets: object, batch: int, seq: int, device: torch
 
 
 def check_tables(cos: object, sin: object, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[table_len, r/2]`` tables for ``q``: same shape, float32 (float64 for float64 ``q``), on ``q``'s device."""
+    """``[table_len, d_rot/2]`` tables for ``q``: same shape, float32 (float64 for float64 ``q``), on ``q``'s device."""
     cos = check_float_tensor(cos, "cos", ndim=2)
     sin = check_float_tensor(sin, "sin", ndim=2)
     if cos.shape != sin.shape:
@@ -231,13 +231,13 @@ def rotary_qk(
     Args:
         q: ``[batch, seq, q_heads, head_dim]``, float16, bfloat16, float32 or float64.
         k: ``[batch, seq, kv_heads, head_dim]`` (``kv_heads`` may differ from ``q_heads``: GQA/MQA).
-        cos: a ``[table_len, r/2]`` table, as :meth:`ropelib.RotaryEmbedding.cos_sin_cache`
+        cos: a ``[table_len, d_rot/2]`` table, as :meth:`ropelib.RotaryEmbedding.cos_sin_cache`
             gives (float32; float64 for float64 inputs). The math runs in this dtype.
         sin: the sine table, of ``cos``'s shape and dtype.
         positions: integers in ``[0, table_len)``, shape ``[seq]``, ``[1, seq]`` or ``[batch, seq]``
             (default ``0 .. seq-1``). Out-of-range values raise (a :class:`ValueError` on the CPU,
             a device-side assertion on a GPU or under compile: see :mod:`ropelib._validation`).
-        layout: ``"half"`` (pairs ``(i, i + r/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
+        layout: ``"half"`` (pairs ``(i, i + d_rot/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
         inplace: overwrite ``q`` and ``k`` and return them. They must not overlap.
         conjugate: rotate by ``-theta`` instead (what the backward pass does).
         kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).

@@ -1,6 +1,6 @@
 r"""The native CPU kernel: one pass of ``rotate.c`` over q and k, called from inside ropelib's operators.
 
-Eager PyTorch cannot rotate the "half" layout in one pass (each pair's halves lie ``r/2`` features
+Eager PyTorch cannot rotate the "half" layout in one pass (each pair's halves lie ``d_rot/2`` features
 apart); ``rotate.c`` is the loop itself: for each token it reads the position and that row of the
 tables, and for each head of q and then of k it reads both halves of every pair and writes both.
 One read of each input, one write of each output (in place: the input itself), either layout, any
@@ -154,7 +154,7 @@ def launch(
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``).
 
     Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0), outputs alike, all
-    with unit stride on ``D``; ``cos``/``sin`` contiguous ``[L, r/2]`` in the compute dtype;
+    with unit stride on ``D``; ``cos``/``sin`` contiguous ``[L, d_rot/2]`` in the compute dtype;
     ``positions`` int64 ``[S]``, ``[1, S]`` or ``[B, S]`` (any strides) in ``[0, L)``. Unchecked: the operator's kernel
     (:mod:`~ropelib.kernels.registry`) prepares all of this.
     """

@@ -20,8 +20,8 @@ hop, no Python wrapper)::
 ``rotary`` returns the rotated ``q`` ``[B, S, Hq, D]`` and ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0);
 ``rotary_`` overwrites them, and its schema says so, so that their version counters move
 (autograd then refuses a stale saved tensor, as for any in-place op). ``cos``/``sin`` are
-``[L, r/2]`` tables, ``positions`` int64 ``[S]`` or ``[B, S]`` rows of them; ``frequencies``
-(float64 ``[r/2 + 1]``: the inverse frequencies, then the factor on cos and sin) lets positions
+``[L, d_rot/2]`` tables, ``positions`` int64 ``[S]`` or ``[B, S]`` rows of them; ``frequencies``
+(float64 ``[d_rot/2 + 1]``: the inverse frequencies, then the factor on cos and sin) lets positions
 outside ``[0, L)`` have their rows computed; ``cu_seqlens`` replaces ``positions`` by the positions
 within each packed document; ``kernel`` is ``"auto"`` or a name of
 :data:`~ropelib.KERNELS`. The callers are :func:`ropelib.rotary_qk` and the

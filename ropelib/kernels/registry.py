@@ -33,7 +33,7 @@ from .native_kernel import BUILD
 
 #: ``launch(q, k, q_out, k_out, cos, sin, positions, *, interleaved, conjugate)``: the rotation of
 #: ``q``/``k`` written into ``q_out``/``k_out`` (which may be ``q``/``k``), ``positions`` int64
-#: ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the ``[L, r/2]`` tables.
+#: ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the ``[L, d_rot/2]`` tables.
 Launch = Callable[..., None]
 #: ``write_kv(q, k, v, q_out, k_cache, v_cache, slot_mapping, cos, sin, positions, *, interleaved)``:
 #: the rotation of ``q`` into ``q_out``, of ``k`` into the caches' slots with ``v`` beside it (see
@@ -178,7 +178,7 @@ def run(
     """Rotate ``q``/``k`` into ``q_out``/``k_out`` with the kernel ``kernel`` stands for (see the operators).
 
     ``positions``: int64 ``[S]`` or ``[B, S]`` rows of ``cos``/``sin`` (ignored with ``cu_seqlens``,
-    whose documents' positions are used); ``frequencies``: float64 ``[r/2 + 1]`` (the inverse
+    whose documents' positions are used); ``frequencies``: float64 ``[d_rot/2 + 1]`` (the inverse
     frequencies, then the factor on cos and sin), or None when every position is in the table.
     """
     chosen = KERNELS[resolve(kernel, q.device, q.dtype)]

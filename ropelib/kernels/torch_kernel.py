@@ -62,7 +62,7 @@ def _rotate_block(
 ) -> None:
     """``out[..., :r] = R x[..., :r]`` for a block ``[T, H, D]``.
 
-    ``cos``/``sin``: ``[T, r/2]``. ``buffers``: a ``[T', H, r/2]``
+    ``cos``/``sin``: ``[T, d_rot/2]``. ``buffers``: a ``[T', H, d_rot/2]``
     temporary, then float ``[T', H, r]`` buffers for the result (in
     place, low precision) and for the inputs in the compute dtype (low
     precision), or None.
@@ -102,7 +102,7 @@ def _token_view(x: torch.Tensor) -> torch.Tensor | None:
 def _blocks(
     tensors: tuple[torch.Tensor, ...], tables: tuple[torch.Tensor, torch.Tensor], step: int
 ) -> Iterator[tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, torch.Tensor]]]:
-    """Slices ``[T, H, D]`` of ``tensors`` (each ``[B, S, H, D]``) and ``[T, r/2]`` of ``tables`` (``[B, S, r/2]``)."""
+    """Slices ``[T, H, D]`` of ``tensors`` (each ``[B, S, H, D]``) and ``[T, d_rot/2]`` of ``tables`` (``[B, S, d_rot/2]``)."""
     batch, seq = tensors[0].shape[:2]
     views = [_token_view(t) for t in tensors]
     if all(v is not None for v in views):
@@ -124,7 +124,7 @@ def rotate_few(
     ``R x = x * (c, c) + swap(x) * (-s, s)`` with ``swap`` exchanging the members of each pair: one
     ``_foreach_mul`` for the products with ``c``, one for those with the signed ``s``, one
     ``_foreach_add_``, where the formula written out takes a dozen operations per tensor. Every
-    feature rotated, ``q``/``k`` ``[B, S, H, r]``; ``cos``/``sin`` ``[B, S, r/2]`` rows of the
+    feature rotated, ``q``/``k`` ``[B, S, H, d_rot]``; ``cos``/``sin`` ``[B, S, d_rot/2]`` rows of the
     tokens, in the inputs' dtype (float32 or float64). Same bits as :func:`launch`.
     """
     if interleaved:
@@ -155,7 +155,7 @@ def launch(
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
 
     Same contract as :func:`~ropelib.kernels.native_kernel.launch`: ``q`` ``[B, S, Hq, D]``, ``k``
-    ``[B, S, Hk, D]`` (``Hk`` may be 0); ``cos``/``sin`` ``[L, r/2]`` in the compute dtype;
+    ``[B, S, Hk, D]`` (``Hk`` may be 0); ``cos``/``sin`` ``[L, d_rot/2]`` in the compute dtype;
     ``positions`` int64 ``[S]``, ``[1, S]`` or ``[B, S]`` in ``[0, L)``. Unchecked.
     """
     r2 = cos.shape[-1]

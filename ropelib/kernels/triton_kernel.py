@@ -9,7 +9,7 @@ once, and rotates every head of its block with it:
 
     x'_a = x_a \cos m\theta_i - x_b \sin m\theta_i, \qquad x'_b = x_b \cos m\theta_i + x_a \sin m\theta_i,
 
-with ``(a, b) = (i, i + r/2)`` in the ``"half"`` layout and ``(2i, 2i+1)`` in the
+with ``(a, b) = (i, i + d_rot/2)`` in the ``"half"`` layout and ``(2i, 2i+1)`` in the
 ``"interleaved"`` one. Loads are whole contiguous rows of a head (the interleaved pairs are
 split in registers with ``tl.split``), the math runs in the table's dtype (float32, or
 float64 for float64 input) and the result is rounded once to the output's dtype.
@@ -260,10 +260,10 @@ def launch(
     """Write the rotation of ``q``/``k`` into ``q_out``/``k_out`` (which may be ``q``/``k``: in place).
 
     Shapes: ``q`` ``[B, S, Hq, D]``, ``k`` ``[B, S, Hk, D]`` (``Hk`` may be 0) with unit stride on
-    ``D``; ``cos``/``sin`` ``[L, r/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any
+    ``D``; ``cos``/``sin`` ``[L, d_rot/2]`` contiguous rows; ``positions`` int64 ``[B, S]`` (any
     strides, 0 for a shared row; ``[S]`` and ``[1, S]`` are broadcast). With ``cu_seqlens`` (``[num_docs + 1]``, a packed row of batch 1)
     ``positions`` is not read: each program finds its token's document by a binary search of
-    ``cu_seqlens`` and counts from its start. With ``frequencies`` (float64 ``[r/2 + 1]``: the
+    ``cu_seqlens`` and counts from its start. With ``frequencies`` (float64 ``[d_rot/2 + 1]``: the
     inverse frequencies, then the factor on cos and sin) a position outside ``[0, L)`` gets its row
     computed in the kernel; without, positions must lie in the table. Unchecked.
     """

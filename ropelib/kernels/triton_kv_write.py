@@ -173,7 +173,7 @@ def write_kv(
     The contract of :func:`~ropelib.kernels.registry.run_kv_write`: ``q`` ``[B, S, Hq, D]``,
     ``k``/``v`` ``[B, S, Hk, D or Dv]`` with unit stride on the features, paged caches
     ``[num_blocks, block_size, Hk, D or Dv]``, ``slot_mapping`` int64 ``[B, S]``, ``positions``
-    int64 ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the ``[L, r/2]`` tables. Unchecked.
+    int64 ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the ``[L, d_rot/2]`` tables. Unchecked.
     """
     batch, seq, q_heads, head_dim = q.shape
     k_heads, v_dim = k.shape[2], v.shape[3]

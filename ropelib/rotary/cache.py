@@ -1,6 +1,6 @@
 r"""The cos/sin rows of one :class:`~ropelib.rotary.spec.RopeSpec`, per device and dtype: :class:`TableCache`.
 
-Row ``p`` of the tables holds ``a cos(p f_i)`` and ``a sin(p f_i)`` for the pairs ``i`` (``a`` the
+Row ``p`` of the tables holds ``a cos(p theta_i)`` and ``a sin(p theta_i)`` for the pairs ``i`` (``a`` the
 scaling's attention factor), the angle formed in float64 and rounded once. The cache holds the rows
 of positions ``0 .. L-1`` and grows when asked for more (doubling, in blocks of
 :data:`~ropelib.rotary.cache.TABLE_BLOCK`), up to ``limit`` rows: rows of positions past it are computed
@@ -42,9 +42,9 @@ def table_dtype(dtype: torch.dtype) -> torch.dtype:
 
 @dataclass(frozen=True)
 class Tables:
-    """The rows of one device and dtype: ``cos``/``sin`` ``[L, r/2]`` and the ``frequencies`` behind them.
+    """The rows of one device and dtype: ``cos``/``sin`` ``[L, d_rot/2]`` and the ``frequencies`` behind them.
 
-    ``frequencies``: float64 ``[r/2 + 1]`` on the same device, the inverse frequencies and then the
+    ``frequencies``: float64 ``[d_rot/2 + 1]`` on the same device, the inverse frequencies and then the
     attention factor, from which a kernel computes the row of a position past ``L``.
     """
 
@@ -96,7 +96,7 @@ class TableCache:
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """The float64 inverse frequencies in use, ``[r/2]`` (on the CPU)."""
+        """The float64 inverse frequencies in use, ``[d_rot/2]`` (on the CPU)."""
         return self._state.inv_freq
 
     @property

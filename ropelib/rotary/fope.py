@@ -1,22 +1,22 @@
 r"""FoPE (Hua et al., 2025, "Fourier Position Embedding: Enhancing Attention's Periodic Extension for Length Generalization").
 
 RoPE multiplies pair ``j`` of a query or key at position ``m`` (a complex number ``x_j``) by
-``e^{i omega_j m}``: one frequency per pair. FoPE makes each pair a Fourier series over the
+``e^{i theta_j m}``: one frequency per pair. FoPE makes each pair a Fourier series over the
 frequencies the training length ``L`` trains, and clips the ones it does not train:
 
 .. math::
 
     \begin{aligned}
-    z_j(m) &= \textstyle\sum_{k \in K} \big(A^c_{kj} \cos \omega_k m
-              + i\, A^s_{kj} \sin \omega_k m\big) \quad (j \in K), \\
+    z_j(m) &= \textstyle\sum_{k \in K} \big(A^c_{kj} \cos \theta_k m
+              + i\, A^s_{kj} \sin \theta_k m\big) \quad (j \in K), \\
     z_j(m) &= 1 \quad (j \notin K),
     \end{aligned}
 
-with ``omega_k = theta^{-2k/d}``, ``K = {k : omega_k >= 2 pi / L}`` (every pair when ``L`` is None)
+with ``theta_k = base^{-2k/d}``, ``K = {k : theta_k >= 2 pi / L}`` (every pair when ``L`` is None)
 and ``x_j -> x_j z_j(m)``. ``A = I + (sigma / sqrt|K|) E``, ``E`` standard normal, one matrix for the
 cosines and one for the sines (the authors' ``eye_xavier_norm`` initialisation with separate bases;
 fixed, or learned with ``learned=True``). The pairs ``j not in K`` turn at zero frequency: their
-wavelength ``2 pi / omega_j`` exceeds ``L``, so they never completed a turn in training ("clip to
+wavelength ``2 pi / theta_j`` exceeds ``L``, so they never completed a turn in training ("clip to
 floor"), and they become position-free. With ``sigma = 0`` (``A = I``) and ``L = None`` this is RoPE.
 
 Choices, stated: the coefficients are shared by the heads (the authors can keep one matrix per
@@ -64,8 +64,8 @@ class FourierPositionEmbedding(nn.Module):
 
     Args:
         head_dim: per-head width ``d`` (even).
-        theta: RoPE's base (``omega_k = theta^{-2k/d}``).
-        train_length: ``L``; the pairs with ``omega_j < 2 pi / L`` are clipped to zero frequency (None: none).
+        theta: RoPE's base (``theta_k = base^{-2k/d}``).
+        train_length: ``L``; the pairs with ``theta_j < 2 pi / L`` are clipped to zero frequency (None: none).
         sigma: the spread of the extra coefficients, ``>= 0`` (0.3 in the paper's smallest models).
         learned: the coefficient matrices are parameters (else fixed buffers).
         layout: ``"half"`` or ``"interleaved"``.
@@ -129,7 +129,7 @@ class FourierPositionEmbedding(nn.Module):
 
     @property
     def frequencies(self) -> torch.Tensor:
-        """The frequencies in use, float64 ``[d/2]``, ``omega_j`` for the kept pairs and 0 for the clipped ones."""
+        """The frequencies in use, float64 ``[d/2]``, ``theta_j`` for the kept pairs and 0 for the clipped ones."""
         out = self._inv_freq64.clone()
         out[self.kept :] = 0.0
         return out
@@ -143,7 +143,7 @@ class FourierPositionEmbedding(nn.Module):
     def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
         """``(Re z(m), Im z(m))`` for checked integer ``positions`` of any shape: ``positions.shape + (d/2,)`` in ``dtype``.
 
-        The base ``cos omega_k m``, ``sin omega_k m`` in float64, rounded once to ``dtype``, then mixed by the
+        The base ``cos theta_k m``, ``sin theta_k m`` in float64, rounded once to ``dtype``, then mixed by the
         coefficients in ``dtype`` (differentiable with respect to them).
         """
         angles = positions.to(torch.float64)[..., None] * self._inv_freq64[: self.kept].to(positions.device)

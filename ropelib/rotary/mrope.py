@@ -5,11 +5,11 @@ index on all three axes, so for text M-RoPE is plain 1-D RoPE; an image of ``T x
 placed after ``n`` positions gets ``(n + i, n + j, n + k)`` for patch ``(i, j, k)``, and the next
 text token continues at one more than the largest index used so far (:func:`~ropelib.mrope_positions`).
 
-The ``r/2`` frequency pairs are shared out among the axes by ``mrope_section = (s_t, s_h, s_w)``
-(``s_t + s_h + s_w = r/2``); pair ``i`` of a token is rotated by the token's position
+The ``d_rot/2`` frequency pairs are shared out among the axes by ``mrope_section = (s_t, s_h, s_w)``
+(``s_t + s_h + s_w = d_rot/2``); pair ``i`` of a token is rotated by the token's position
 ``p_{a(i)}`` on the axis ``a(i)`` of that pair:
 
-.. math:: \text{angle}_i = p_{a(i)} \cdot f_i, \qquad f_i = \mathrm{theta}^{-2i/r}\ (\text{or a scaling's}),
+.. math:: \text{angle}_i = p_{a(i)} \cdot \theta_i, \qquad \theta_i = \mathrm{base}^{-2i/d_{\mathrm{rot}}}\ (\text{or a scaling's}),
 
 * Qwen2-VL / Qwen2.5-VL (``interleaved=False``): contiguous sections, pairs ``0 .. s_t-1`` to
   time, the next ``s_h`` to height, the last ``s_w`` to width;
@@ -17,7 +17,7 @@ The ``r/2`` frequency pairs are shared out among the axes by ``mrope_section = (
   to width if ``i % 3 == 2`` and ``i < 3 s_w``, to time otherwise.
 
 The angles are formed in float64 and rounded once to float32 per token (:func:`mrope_tables`);
-the rotation (:class:`MRotaryEmbedding`) hands ropelib's kernels a ``[tokens, r/2]`` table with
+the rotation (:class:`MRotaryEmbedding`) hands ropelib's kernels a ``[tokens, d_rot/2]`` table with
 one row per token, so M-RoPE runs on the same fused kernels as 1-D RoPE.
 """
 
@@ -53,7 +53,7 @@ def _check_section(mrope_section: object, pairs: int | None = None) -> tuple[int
 
 
 def mrope_axes(mrope_section: Sequence[int], *, interleaved: bool = False) -> torch.Tensor:
-    """The axis (0 time, 1 height, 2 width) of each of the ``r/2 = sum(mrope_section)`` frequency pairs, int64 ``[r/2]``.
+    """The axis (0 time, 1 height, 2 width) of each of the ``d_rot/2 = sum(mrope_section)`` frequency pairs, int64 ``[d_rot/2]``.
 
     Example:
         >>> mrope_axes([2, 1, 1]).tolist()
@@ -131,13 +131,13 @@ def mrope_tables(
     r"""``cos`` and ``sin`` of ``positions[axes[i]] * inv_freq[i]`` (float64, then ``dtype``), unchecked.
 
     Args:
-        inv_freq64: float64 ``[r/2]`` on ``positions``' device.
+        inv_freq64: float64 ``[d_rot/2]`` on ``positions``' device.
         positions: integers ``[3, *shape]``.
-        axes: the axis of each pair (:func:`~ropelib.mrope_axes`), ``[r/2]``.
+        axes: the axis of each pair (:func:`~ropelib.mrope_axes`), ``[d_rot/2]``.
         attention_scaling: multiplies cos and sin.
 
     Returns:
-        ``(cos, sin)``, each ``shape + (r/2,)``.
+        ``(cos, sin)``, each ``shape + (d_rot/2,)``.
     """
     angles = positions.to(torch.float64)[..., None] * inv_freq64  # [3, *shape, r/2]
     index = axes.to(positions.device).expand(*angles.shape[1:])[None]
@@ -227,7 +227,7 @@ class MRotaryEmbedding(nn.Module):
         return positions
 
     def tables(self, positions: torch.Tensor, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(cos, sin)`` ``[*positions.shape[1:], r/2]`` for validated ``[3, ...]`` positions, in ``dtype``."""
+        """``(cos, sin)`` ``[*positions.shape[1:], d_rot/2]`` for validated ``[3, ...]`` positions, in ``dtype``."""
         inv = self.rope.cache.inv_freq.to(positions.device)
         return mrope_tables(inv, positions, self.axes, self.rope.attention_scaling, dtype)
 

@@ -2,7 +2,7 @@ r"""p-RoPE (Barbero et al., 2025, "Round and Round We Go! What makes Rotary Posi
 
 RoPE with only the fraction ``p`` of its *highest* frequencies kept: pair ``i`` of ``d/2`` turns by
 
-.. math:: \omega_i = \begin{cases} \mathtt{theta}^{-2i/d} & i < \lfloor p d / 2 \rfloor \\ 0 & \text{otherwise,} \end{cases}
+.. math:: \theta_i = \begin{cases} \mathrm{base}^{-2i/d} & i < \lfloor p d / 2 \rfloor \\ 0 & \text{otherwise,} \end{cases}
 
 so the lowest ``1 - p`` of the pairs are not rotated at all: position-free ("semantic") channels,
 while the rotated pairs keep RoPE's frequencies and its relative property. ``p = 1`` is RoPE,

@@ -1,9 +1,9 @@
 r"""Resonance RoPE (Wang et al., 2024, "Resonance RoPE: Improving Context Length Generalization of Large Language Models").
 
-Each wavelength ``lambda_i = 2 pi / omega_i`` of a RoPE (any scaling: Resonance YaRN is YaRN's
+Each wavelength ``lambda_i = 2 pi / theta_i`` of a RoPE (any scaling: Resonance YaRN is YaRN's
 frequencies rounded) is rounded to the nearest integer,
 
-.. math:: \tilde\omega_i = \frac{2\pi}{\operatorname{round}(2\pi / \omega_i)},
+.. math:: \tilde\theta_i = \frac{2\pi}{\operatorname{round}(2\pi / \theta_i)},
 
 so that pair ``i`` turns a whole number of times every ``round(lambda_i)`` positions:
 ``R(m + round(lambda_i)) = R(m)`` on that pair. A pair whose wavelength fits in the training length
@@ -27,9 +27,9 @@ from .standard import RotaryEmbedding
 
 
 def resonance_frequencies(inv_freq: torch.Tensor) -> torch.Tensor:
-    r"""``2 pi / round(2 pi / omega_i)`` for each ``omega_i > 0`` (zeros kept), float64 ``[r/2]`` on the CPU.
+    r"""``2 pi / round(2 pi / theta_i)`` for each ``theta_i > 0`` (zeros kept), float64 ``[d_rot/2]`` on the CPU.
 
-    Raises :class:`ValueError` when a wavelength rounds to 0 (``omega_i > 4 pi``: no integer period).
+    Raises :class:`ValueError` when a wavelength rounds to 0 (``theta_i > 4 pi``: no integer period).
 
     Example:
         >>> freqs = torch.tensor([1.0, 0.0], dtype=torch.float64)
@@ -109,5 +109,5 @@ class ResonanceRotaryEmbedding(RotaryEmbedding):
 
     @property
     def wavelengths(self) -> torch.Tensor:
-        """The integer wavelengths ``round(2 pi / omega_i)``, float64 ``[rotary_dim // 2]`` (``inf`` for a zero frequency)."""
+        """The integer wavelengths ``round(2 pi / theta_i)``, float64 ``[rotary_dim // 2]`` (``inf`` for a zero frequency)."""
         return (2 * math.pi / self.cache.inv_freq).round()

@@ -22,10 +22,10 @@ class Rotation:
     its attributes are not to be changed.
 
     Attributes:
-        cos: an ``[L, r/2]`` table (the cache's, or a row per token).
+        cos: an ``[L, d_rot/2]`` table (the cache's, or a row per token).
         sin: the sine table, of ``cos``'s shape.
         positions: int64 ``[S]``, ``[1, S]`` or ``[B, S]`` rows of the tables.
-        frequencies: float64 ``[r/2 + 1]`` when a position may lie past the table, else None.
+        frequencies: float64 ``[d_rot/2 + 1]`` when a position may lie past the table, else None.
         cu_seqlens: a packed row's document lengths (positions restart in each), or None.
         differentiable: the rows carry a gradient (learned frequencies): plain operations rotate.
     """

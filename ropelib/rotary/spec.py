@@ -1,9 +1,9 @@
 r"""The frequencies of a RoPE as one immutable value: :class:`RopeSpec`.
 
-Pair ``i`` of a query or key at position ``m`` turns by ``m f_i``. The frequencies ``f_i`` are fixed
-by the base ``theta``, the number of rotated features ``r``, a context-extension ``scaling`` (a
+Pair ``i`` of a query or key at position ``m`` turns by ``m\theta_i``. The frequencies ``theta_i`` are fixed
+by the base ``theta``, the number of rotated features ``d_rot``, a context-extension ``scaling`` (a
 Hugging Face ``rope_scaling`` dict, :mod:`ropelib.scaling`), the model's context length, and the
-frequency family (RoPE's ``theta^{-2i/r}``, or rotary-embedding-torch's ``"pixel"``). A spec is
+frequency family (RoPE's ``base^{-2i/d_rot}``, or rotary-embedding-torch's ``"pixel"``). A spec is
 frozen and hashable: modules, caches and layers that share one share one set of tables.
 """
 
@@ -20,7 +20,7 @@ from .._validation import check_choice, check_even, check_int, check_positive_fl
 from ..frequencies import ntk_rescaled_theta, pixel_inverse_frequencies
 from ..scaling import ROPE_SCALINGS, frequency_seq_len, inverse_frequencies64, rope_type_of
 
-#: The frequency families of rotary-embedding-torch's ``freqs_for``, ``"lang"`` (``theta^{-2i/r}``) and ``"pixel"``.
+#: The frequency families of rotary-embedding-torch's ``freqs_for``, ``"lang"`` (``base^{-2i/d_rot}``) and ``"pixel"``.
 FREQS_FOR = ("lang", "pixel")
 
 
@@ -115,7 +115,7 @@ class RopeSpec:
         return frequency_seq_len(self.scaling, needed, current, max_position_embeddings=self.max_position_embeddings)
 
     def frequencies(self, seq_len: int | None = None) -> tuple[torch.Tensor, float]:
-        """``(inv_freq, attention_scaling)``: float64 ``[r/2]`` on the CPU and the factor on cos and sin."""
+        """``(inv_freq, attention_scaling)``: float64 ``[d_rot/2]`` on the CPU and the factor on cos and sin."""
         if self.freqs_for == "pixel":
             return pixel_inverse_frequencies(self.rotary_dim, self.max_freq), 1.0
         theta = ntk_rescaled_theta(self.theta, self.rotary_dim, self.theta_rescale_factor)

@@ -1,11 +1,11 @@
 r"""Rotary position embedding (RoPE; Su et al., RoFormer, 2024): :class:`RotaryEmbedding`, a spec, a cache, one operator.
 
-Each pair of features ``(x_a, x_b)`` of a query or key at position ``m`` is rotated by ``m f_i``:
+Each pair of features ``(x_a, x_b)`` of a query or key at position ``m`` is rotated by ``m theta_i``:
 
 .. math::
 
     \begin{pmatrix} x_a' \\ x_b' \end{pmatrix} =
-    \begin{pmatrix} \cos m f_i & -\sin m f_i \\ \sin m f_i & \cos m f_i \end{pmatrix}
+    \begin{pmatrix} \cos m\theta_i & -\sin m\theta_i \\ \sin m\theta_i & \cos m\theta_i \end{pmatrix}
     \begin{pmatrix} x_a \\ x_b \end{pmatrix},
 
 so that ``<R_m q, R_n k>`` depends on ``m - n`` only. Which features pair up is the *layout*
@@ -55,7 +55,7 @@ class RotaryEmbedding(nn.Module):
 
     Args:
         head_dim: per-head width ``d``.
-        theta: the frequency base (``f_i = theta^{-2i/r}``).
+        theta: the frequency base (``theta_i = base^{-2i/d_rot}``).
         layout: ``"half"`` (GPT-NeoX / Hugging Face) or ``"interleaved"`` (GPT-J / Meta / the seed).
         rotary_dim: features rotated per head (``head_dim`` by default; even, <= ``head_dim``;
             ``head_dim`` may then be odd).
@@ -66,7 +66,7 @@ class RotaryEmbedding(nn.Module):
         kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
         theta_rescale_factor: static NTK-aware scaling (rotary-embedding-torch's): the base becomes
             ``theta * factor^(r / (r - 2))``.
-        freqs_for: ``"lang"`` (``theta^{-2i/r}``) or ``"pixel"`` (``linspace(1, max_freq / 2, r / 2) * pi``,
+        freqs_for: ``"lang"`` (``base^{-2i/d_rot}``) or ``"pixel"`` (``linspace(1, max_freq / 2, d_rot/2) * pi``,
             for coordinates in ``[-1, 1]``); ``max_freq`` is read by ``"pixel"``.
         continuous_positions: positions may be any finite reals (floating tensors), not only token indices.
         learned_freq: the inverse frequencies become the parameter :attr:`learned_inv_freq`
@@ -217,7 +217,7 @@ class RotaryEmbedding(nn.Module):
     # ----------------------------------------------------------------------------- rows
 
     def _rows(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Rows computed for ``positions`` (any shape, integer or real): ``positions.shape + (r/2,)``."""
+        """Rows computed for ``positions`` (any shape, integer or real): ``positions.shape + (d_rot/2,)``."""
         if self.learned_freq:
             inv_freq = self.learned_inv_freq.to(device=positions.device, dtype=torch.float64)
         else:

@@ -21,8 +21,8 @@ that is not a float, a Llama 3 original length that is not below ``max_position_
 LongRoPE dict without ``factor``, a ``proportional`` dict without ``partial_rotary_factor`` or
 with ``factor``), ropelib warns too (:class:`UserWarning`).
 
-Notation: ``d`` is the rotary dimension, ``b`` the base ``theta``, ``inv_i = b^(-2i/d)``,
-``lambda_i = 2 pi / inv_i`` the wavelength of pair ``i`` in tokens, ``s`` the ``factor`` and
+Notation: ``d_rot`` is the rotary dimension, ``base`` the base (the argument ``theta``), ``theta_i = base^(-2i/d_rot)``,
+``lambda_i = 2 pi / theta_i`` the wavelength of pair ``i`` in tokens, ``s`` the ``factor`` and
 ``L`` the original (pre-extension) context length.
 """
 
@@ -199,8 +199,8 @@ def scaled_inverse_frequencies(
     r"""``(inv_freq, attention_scaling)`` for a ``rope_scaling`` dict, the inverse frequencies in float64.
 
     Args:
-        rotary_dim: number of rotated features ``d`` (even).
-        theta: the base ``b`` (finite, > 0).
+        rotary_dim: number of rotated features ``d_rot`` (even).
+        theta: the base of the frequencies, ``base`` (finite, > 0).
         scaling: a Hugging Face-style ``rope_scaling`` dict; see :data:`~ropelib.scaling.registry.ROPE_SCALINGS`.
         max_position_embeddings: the model's context length (read by ``dynamic``, and as the
             default of ``original_max_position_embeddings`` / ``factor`` by the others).
@@ -209,7 +209,7 @@ def scaled_inverse_frequencies(
         ignore_keys: model-specific keys of ``scaling`` to let through unread.
 
     Returns:
-        ``(inv_freq, attention_scaling)``: float64 ``[d/2]`` and a Python float.
+        ``(inv_freq, attention_scaling)``: float64 ``[d_rot/2]`` and a Python float.
 
     Example:
         >>> linear = {"rope_type": "linear", "factor": 2.0}
@@ -313,7 +313,7 @@ def rope_frequencies(
 ) -> tuple[torch.Tensor, float]:
     r"""RoPE's inverse frequencies and the factor that multiplies cos and sin.
 
-    Without scaling, ``inv_freq[i] = theta^{-2i/r}`` with ``r = int(head_dim * partial_rotary_factor)``
+    Without scaling, ``inv_freq[i] = base^{-2i/d_rot}`` with ``d_rot = int(head_dim * partial_rotary_factor)``
     the number of rotated features (RoFormer eq. 15), and the factor is 1.
 
     Args:

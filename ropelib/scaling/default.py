@@ -13,5 +13,5 @@ from .registry import register_scaling
 
 @register_scaling("default", paper="Su et al., 2021, RoFormer (arXiv:2104.09864), eq. 15")
 def default_scaling(rotary_dim: int, theta: float, params: Mapping[str, Any], **_: Any) -> tuple[torch.Tensor, float]:
-    r"""No scaling: ``inv_i = b^{-2i/d}`` (Su et al., RoFormer, eq. 15); attention factor 1. Keys: none."""
+    r"""No scaling: ``theta_i = base^{-2i/d_rot}`` (Su et al., RoFormer, eq. 15); attention factor 1. Keys: none."""
     return default_inverse_frequencies(rotary_dim, theta), 1.0

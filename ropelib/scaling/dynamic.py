@@ -45,14 +45,14 @@ def dynamic_ntk_scaling(
 ) -> tuple[torch.Tensor, float]:
     r"""Dynamic NTK (emozilla, 2023), built on NTK-aware scaling (bloc97, 2023): a larger base.
 
-    NTK-aware scaling raises the base so that the lowest frequency is interpolated by ``alpha``
-    while the highest is unchanged: ``b' = b * alpha^{d/(d-2)}``. Dynamic NTK chooses ``alpha``
-    from the current length ``n = max(seq_len, L)`` with ``L = max_position_embeddings``:
+    NTK-aware scaling raises the base so that the lowest frequency is interpolated by ``s_N``
+    while the highest is unchanged: ``base' = base * s_N^{d_rot/(d_rot-2)}``. Dynamic NTK chooses ``s_N``
+    from the current length ``N = max(seq_len, L)`` with ``L = max_position_embeddings``:
 
-    .. math:: b' = b \left(\frac{s\,n}{L} - (s - 1)\right)^{d/(d-2)}, \qquad inv_i = b'^{-2i/d},
+    .. math:: \mathrm{base}' = \mathrm{base} \left(\frac{s\,N}{L} - (s - 1)\right)^{d_{\mathrm{rot}}/(d_{\mathrm{rot}}-2)}, \qquad \theta_i = \mathrm{base}'^{-2i/d_{\mathrm{rot}}},
 
-    which is the original base for ``n <= L``. Keys: ``factor`` (``s >= 1``). Needs
-    ``max_position_embeddings`` and ``d >= 4``; ``seq_len`` defaults to ``L``. Attention factor 1.
+    which is the original base for ``N <= L``. Keys: ``factor`` (``s >= 1``). Needs
+    ``max_position_embeddings`` and ``d_rot >= 4``; ``seq_len`` defaults to ``L``. Attention factor 1.
     """
     s = factor(params)
     if max_position_embeddings is None:

@@ -18,7 +18,7 @@ from .registry import factor, register_scaling
     for_factor=lambda s, length: {"rope_type": "linear", "factor": s},
 )
 def linear_scaling(rotary_dim: int, theta: float, params: Mapping[str, Any], **_: Any) -> tuple[torch.Tensor, float]:
-    r"""Position interpolation (Chen et al., 2023): positions ``m -> m / s``, i.e. ``inv_i -> inv_i / s``.
+    r"""Position interpolation (Chen et al., 2023): positions ``m -> m / s``, i.e. ``theta_i -> theta_i / s``.
 
     Every pair is interpolated: a context of ``s L`` tokens is squeezed into the angles of ``L``.
     Keys: ``factor`` (``s >= 1``). Attention factor 1.

@@ -49,10 +49,10 @@ def llama3_scaling(
 
     .. math::
 
-        inv'_i = \begin{cases}
-          inv_i & \lambda_i < \lambda_{high} \\
-          inv_i / s & \lambda_i > \lambda_{low} \\
-          (1 - \eta_i)\, inv_i / s + \eta_i\, inv_i & \text{otherwise,}
+        \theta'_i = \begin{cases}
+          \theta_i & \lambda_i < \lambda_{high} \\
+          \theta_i / s & \lambda_i > \lambda_{low} \\
+          (1 - \eta_i)\, \theta_i / s + \eta_i\, \theta_i & \text{otherwise,}
         \end{cases}
 
     where :math:`\eta_i = \frac{L/\lambda_i - f_{low}}{f_{high} - f_{low}}`,

@@ -37,14 +37,14 @@ def longrope_scaling(
     seq_len: int | None = None,
     **_: Any,
 ) -> tuple[torch.Tensor, float]:
-    r"""LongRoPE (Ding et al., 2024): one searched rescale factor per frequency, ``inv'_i = inv_i / long_factor[i]``.
+    r"""LongRoPE (Ding et al., 2024): one searched rescale factor per frequency, ``theta'_i = theta_i / long_factor[i]``.
 
-    Two lists of ``d/2`` factors are found by evolutionary search: ``short_factor`` for
+    Two lists of ``d_rot/2`` factors are found by evolutionary search: ``short_factor`` for
     sequences within ``L`` and ``long_factor`` beyond it (used when ``seq_len > L``); the paper calls them
     ``lambda_i``, which in this module is the wavelength. cos and sin are
     multiplied by ``attention_factor``, by default ``sqrt(1 + ln s / ln L)`` (1 when ``s <= 1``).
 
-    Keys: ``short_factor``, ``long_factor`` (required; ``d/2`` positive numbers each), ``factor``
+    Keys: ``short_factor``, ``long_factor`` (required; ``d_rot/2`` positive numbers each), ``factor``
     (``s``; defaults to ``max_position_embeddings / L``), ``attention_factor``,
     ``original_max_position_embeddings`` (``L``; defaults to ``max_position_embeddings``).
     """

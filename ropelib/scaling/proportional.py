@@ -18,18 +18,18 @@ from .registry import optional_number, register_scaling
 def proportional_scaling(
     rotary_dim: int, theta: float, params: Mapping[str, Any], **_: Any
 ) -> tuple[torch.Tensor, float]:
-    r"""Proportional RoPE: the first ``n = int(p d // 2)`` pairs rotate at ``b^{-2i/d}``, the rest not at all; all ``/ s``.
+    r"""Proportional RoPE: the first ``n = int(p d_rot // 2)`` pairs rotate at ``base^{-2i/d_rot}``, the rest not at all; all ``/ s``.
 
-    As transformers' ``_compute_proportional_rope_parameters``: with ``d = rotary_dim`` the full
-    width (here the whole head: the pairs are ``(i, i + d/2)`` over all ``d`` features) and
+    As transformers' ``_compute_proportional_rope_parameters``: with ``d_rot = rotary_dim`` the full
+    width (here the whole head: the pairs are ``(i, i + d_rot/2)`` over all ``d_rot`` features) and
     ``p = partial_rotary_factor`` (a key of the dict, as in ``rope_parameters``),
 
-    .. math:: \text{inv}_i = \begin{cases} b^{-2i/d} / s & i < n \\ 0 & n \le i < d/2 \end{cases}
+    .. math:: \theta_i = \begin{cases} \mathrm{base}^{-2i/d_{\mathrm{rot}}} / s & i < n \\ 0 & n \le i < d_{\mathrm{rot}}/2 \end{cases}
 
     so the rotated pairs keep the frequencies of the full head (unlike ``partial_rotary_factor``
-    elsewhere, which rescales the exponent to ``2i/(p d)``) and a zero frequency leaves its pair
+    elsewhere, which rescales the exponent to ``2i/(p d_rot)``) and a zero frequency leaves its pair
     unrotated. Keys: ``factor`` (``s > 0``, default 1), ``partial_rotary_factor`` (``p`` in
-    ``[0, 1]``, default 1). Attention factor 1. Returns float64 ``[d/2]``.
+    ``[0, 1]``, default 1). Attention factor 1. Returns float64 ``[d_rot/2]``.
     """
     s = optional_number(params, "factor", 1.0, minimum=0.0, strict=True)
     p = optional_number(params, "partial_rotary_factor", 1.0, minimum=0.0)

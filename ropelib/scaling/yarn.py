@@ -23,13 +23,13 @@ def yarn_get_mscale(scale: float, mscale: float = 1.0) -> float:
 def yarn_correction_dim(num_rotations: float, rotary_dim: int, theta: float, original_length: int) -> float:
     r"""The (fractional) pair index whose wavelength fits ``num_rotations`` times in ``L`` tokens.
 
-    Solving ``L / lambda_i = r`` for ``i``, with ``lambda_i = 2 pi b^{2i/d}``, gives
+    Solving ``L / lambda_i = nu`` for ``i``, with ``lambda_i = 2 pi base^{2i/d_rot}``, gives
 
-    .. math:: i(r) = \frac{d \, \ln\!\big(L / (2 \pi r)\big)}{2 \ln b}.
+    .. math:: i(\nu) = \frac{d_{\mathrm{rot}} \, \ln\!\big(L / (2 \pi \nu)\big)}{2 \ln \mathrm{base}}.
 
     Returned as in Hugging Face's ``find_correction_dim``: a fractional pair index, compared
-    directly with ``i = 0 .. d/2 - 1``; :func:`yarn_ramp` clips it to ``[0, d - 1]`` as
-    Hugging Face does (a range on the scale of ``d``, wider than the pairs').
+    directly with ``i = 0 .. d_rot/2 - 1``; :func:`yarn_ramp` clips it to ``[0, d_rot - 1]`` as
+    Hugging Face does (a range on the scale of ``d_rot``, wider than the pairs').
     """
     return rotary_dim * math.log(original_length / (num_rotations * 2 * math.pi)) / (2 * math.log(theta))
 
@@ -43,11 +43,11 @@ def yarn_ramp(
     truncate: bool = True,
 ) -> torch.Tensor:
     r"""YaRN's ramp as the weight of interpolation, ``1 - eta_i``,
-    float64 ``[d/2]``: 0 = keep (extrapolate), 1 = divide by ``s``
+    float64 ``[d_rot/2]``: 0 = keep (extrapolate), 1 = divide by ``s``
     (interpolate).
 
     ``low = i(beta_fast)``, ``high = i(beta_slow)`` (floored / ceiled when
-    ``truncate``), clipped to ``[0, d - 1]``;
+    ``truncate``), clipped to ``[0, d_rot - 1]``;
     ``1 - eta_i = clamp((i - low) / (high - low), 0, 1)``; when
     ``low == high`` the denominator is 0.001, as in Hugging Face. (The
     paper's ramp gamma is ``eta_i``, the weight of the kept frequency.)
@@ -94,7 +94,7 @@ def yarn_scaling(
     (``1 -`` :func:`yarn_ramp`, bounded by the pairs that make ``beta_fast`` and ``beta_slow``
     turns in ``L``) blends the two:
 
-    .. math:: inv'_i = \eta_i\, inv_i + (1 - \eta_i)\, inv_i / s .
+    .. math:: \theta'_i = \eta_i\, \theta_i + (1 - \eta_i)\, \theta_i / s .
 
     cos and sin are multiplied by ``attention_factor`` (``sqrt(1/t)`` in the paper), by default
     ``0.1 ln s + 1`` or, when ``mscale`` and ``mscale_all_dim`` are both set (DeepSeek),

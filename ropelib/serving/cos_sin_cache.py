@@ -81,7 +81,7 @@ def _prepare(
     """The checked arguments as the operator takes them: ``(q, k, cos, sin, rows, interleaved, kernel)``.
 
     ``q``/``k`` are ``[batch or 1, seq, heads, head_size]`` views (``k`` of no heads when ``key`` is
-    None); ``cos``/``sin`` ``[tokens, r/2]`` the gathered rows and ``rows`` their indices.
+    None); ``cos``/``sin`` ``[tokens, d_rot/2]`` the gathered rows and ``rows`` their indices.
     """
     positions = check_integer_tensor(positions, "positions")
     if positions.ndim not in (1, 2):
@@ -134,7 +134,7 @@ def apply_rope_with_cos_sin_cache(
         head_size: the width of a head.
         cos_sin_cache: ``[max_positions, rotary_dim]``, float32 (float64 for float64 inputs):
             ``cat(cos, sin, -1)`` of each position, ``rotary_dim`` even and ``<= head_size``.
-        is_neox: True for the half layout (pairs ``(i, i + r/2)``, GPT-NeoX), False for the
+        is_neox: True for the half layout (pairs ``(i, i + d_rot/2)``, GPT-NeoX), False for the
             interleaved one (pairs ``(2i, 2i + 1)``, GPT-J).
         kernel: ropelib's own choice, ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"``
             (:func:`~ropelib.choose_kernel`); not one of FlashInfer's arguments.

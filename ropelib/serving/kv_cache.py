@@ -133,7 +133,7 @@ def rotary_kv_cache_write(
             num_slots`` (checked as :mod:`ropelib._validation` says: read on the CPU, a queued
             device assertion elsewhere); the valid slots must be distinct (a slot named twice
             holds one of its tokens, which is unspecified, as for ``index_copy_``).
-        cos: a ``[table_len, r/2]`` table (:meth:`ropelib.RotaryEmbedding.cos_sin_cache`).
+        cos: a ``[table_len, d_rot/2]`` table (:meth:`ropelib.RotaryEmbedding.cos_sin_cache`).
         sin: the sine table, of ``cos``'s shape.
         positions: integers in ``[0, table_len)``, ``[tokens]`` (or ``[seq]``, ``[1, seq]``,
             ``[batch, seq]``), on q's device.

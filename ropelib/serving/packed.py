@@ -75,7 +75,7 @@ def rotary_qkv_(
         qkv: ``[batch, seq, 3, heads, head_dim]``, or ``[batch, seq, Hq + 2 Hk, head_dim]`` with
             ``num_heads_q = Hq`` (the query heads first, then ``Hk`` key and ``Hk`` value heads).
             With ``tensor_format="sbhd"`` the first two dimensions are ``[seq, batch]``.
-        cos: a ``[table_len, r/2]`` table, as for :func:`~ropelib.rotary_qk`.
+        cos: a ``[table_len, d_rot/2]`` table, as for :func:`~ropelib.rotary_qk`.
         sin: the sine table, of ``cos``'s shape.
         num_heads_q: the number of query heads of the 4-D form (None for the 5-D one).
 

@@ -10,9 +10,9 @@
 * ``"x_cos_sin"``: ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)``, one tensor
   ``[batch, seq, heads, d]`` at a time (Gemma 4);
 * ``"tensor_sin_cos"``: ``apply_rotary_pos_emb(x, sin, cos)``, one ``[batch, seq, heads, r]``
-  tensor, tables ``[batch, seq, r/2]`` (GPT-J);
+  tensor, tables ``[batch, seq, d_rot/2]`` (GPT-J);
 * ``"qk_freqs"``: ``apply_rotary_emb(xq, xk, freqs_cis)``, ``[batch, seq, heads, d]`` and complex
-  ``[batch, seq, r/2]`` (Llama 4, Meta's form);
+  ``[batch, seq, d_rot/2]`` (Llama 4, Meta's form);
 * ``"qk_freqs_heads_first"``: the same with ``[batch, heads, seq, d]`` (DeepSeek V2's MLA).
 
 A call is rotated by ropelib only when its tables are the very tensors an installed

@@ -202,7 +202,7 @@ ERNIE = Family(
     "interleaved",
     output="cat_float32",
 )
-#: GPT-OSS: tables of one angle per pair (``[batch, seq, r/2]``), rotated in halves.
+#: GPT-OSS: tables of one angle per pair (``[batch, seq, d_rot/2]``), rotated in halves.
 GPT_OSS = Family("GPT-OSS", text_rotary_in("modeling_gpt_oss"), "apply_rotary_pos_emb", "half", output="half")
 #: DeepSeek V2: MLA's decoupled RoPE key in Meta's complex form, heads first.
 DEEPSEEK_V2 = Family(

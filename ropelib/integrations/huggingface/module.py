@@ -25,7 +25,7 @@ TAG = "_ropelib_tables"
 
 @dataclass(frozen=True)
 class ReturnedTables:
-    """What stands behind tables an :class:`HFRotaryEmbedding` returned: ropelib's float ``[.., seq, r/2]`` rows.
+    """What stands behind tables an :class:`HFRotaryEmbedding` returned: ropelib's float ``[.., seq, d_rot/2]`` rows.
 
     Kept on the first returned tensor (attribute :data:`~ropelib.integrations.huggingface.module.TAG`), with the second one (held weakly)
     and the version counters of both at return, so that the patched apply function recognises
@@ -100,18 +100,18 @@ class HFRotaryEmbedding(nn.Module):
     r"""A drop-in for a ``transformers`` ``*RotaryEmbedding`` module, computed by ropelib.
 
     ``forward(x, position_ids)`` returns what the Hugging Face module returns, built from
-    ``c[b, s, i] = a * cos(p * f_i)`` and ``s[b, s, i] = a * sin(p * f_i)`` (``i < r/2``), where
-    ``p = position_ids[b, s]``, ``f_i`` are the (scaled) inverse frequencies of the config's
+    ``c[b, s, i] = a * cos(p * theta_i)`` and ``s[b, s, i] = a * sin(p * theta_i)`` (``i < d_rot/2``), where
+    ``p = position_ids[b, s]``, ``theta_i`` are the (scaled) inverse frequencies of the config's
     ``rope_type`` and ``a`` its attention scaling (YaRN's ``0.1 ln(factor) + 1``, LongRoPE's
     ``sqrt(1 + ln s / ln L)``; 1 otherwise). ``output`` says how (RoFormer, Su et al., 2024, section 3.4.2):
 
     * ``"cat"`` (Llama and most models): ``(cat(c, c), cat(s, s))``, ``[batch, seq, r]``, each
       angle written twice because ``transformers`` rotates in the ``"half"`` layout;
     * ``"cat_float32"`` (Ernie 4.5): the same in float32 whatever ``x``'s dtype;
-    * ``"half"`` (GPT-OSS): ``(c, s)``, ``[batch, seq, r/2]``;
+    * ``"half"`` (GPT-OSS): ``(c, s)``, ``[batch, seq, d_rot/2]``;
     * ``"repeat"`` (Cohere): ``(repeat_interleave(c, 2), ...)``, for the ``"interleaved"`` layout;
-    * ``"sin_cos"`` (GPT-J): ``(s, c)``, ``[batch, seq, r/2]``, sine first;
-    * ``"complex"`` (Llama 4): ``c + i s``, complex ``[batch, seq, r/2]`` (Meta's ``freqs_cis``).
+    * ``"sin_cos"`` (GPT-J): ``(s, c)``, ``[batch, seq, d_rot/2]``, sine first;
+    * ``"complex"`` (Llama 4): ``c + i s``, complex ``[batch, seq, d_rot/2]`` (Meta's ``freqs_cis``).
 
     With several RoPE settings (Gemma 3's per-layer-type ``rope_parameters``) the module holds one
     :class:`ropelib.RotaryEmbedding` per layer type and is called as ``forward(x, position_ids,
@@ -212,7 +212,7 @@ class HFRotaryEmbedding(nn.Module):
 
     @property
     def inv_freq(self) -> torch.Tensor:
-        """The float32 inverse frequencies in use, ``[r/2]`` (the Hugging Face attribute; the first setting's)."""
+        """The float32 inverse frequencies in use, ``[d_rot/2]`` (the Hugging Face attribute; the first setting's)."""
         return self.rope.inv_freq
 
     @property
@@ -223,7 +223,7 @@ class HFRotaryEmbedding(nn.Module):
     def half_tables(
         self, positions: torch.Tensor, dtype: torch.dtype, layer_type: str | None = None
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """ropelib's ``[.., seq, r/2]`` tables at validated int64 ``positions``, in ``dtype`` (float32 or float64)."""
+        """ropelib's ``[.., seq, d_rot/2]`` tables at validated int64 ``positions``, in ``dtype`` (float32 or float64)."""
         return self.ropes[layer_type].rows_at(positions, dtype)
 
     def _positions(self, position_ids: object) -> torch.Tensor:
