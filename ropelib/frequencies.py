@@ -117,17 +117,17 @@ def cos_sin_table(
 
 
 def relative_decay_bound(inv_freq: torch.Tensor, distances: torch.Tensor) -> torch.Tensor:
-    r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{j=1}^{d/2} |U_j(r)|`.
+    r"""RoFormer's long-term decay bound of RoPE's scores, :math:`\frac{1}{d/2}\sum_{i=1}^{d/2} |U_i(r)|`.
 
-    For a query and key at distance ``r`` the score is :math:`\mathrm{Re}\sum_j h_j e^{i r \theta_j}`;
+    For a query and key at distance ``r`` the score is :math:`\mathrm{Re}\sum_i h_i e^{\mathrm{i} r \theta_i}`;
     summing by parts (Su et al., 2024, section 3.4.3) bounds it by
-    :math:`\max_j |h_{j+1} - h_j| \sum_j |U_j(r)|` with the partial sums
-    :math:`U_j(r) = \sum_{l < j} e^{i r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_j |U_j(r)|`
+    :math:`\max_i |h_{i+1} - h_i| \sum_i |U_i(r)|` with the partial sums
+    :math:`U_i(r) = \sum_{l < i} e^{\mathrm{i} r \theta_l}`. This returns the mean :math:`\frac{1}{d/2}\sum_i |U_i(r)|`
     (the quantity RoFormer plots): ``(d/2 + 1) / 2`` at ``r = 0``, shrinking on average, with ripples,
     as ``r`` grows. Computed in float64 (complex128).
 
     Args:
-        inv_freq: ``[d/2]`` inverse frequencies :math:`\theta_j` (any floating dtype; used in float64).
+        inv_freq: ``[d/2]`` inverse frequencies :math:`\theta_i` (any floating dtype; used in float64).
         distances: ``[n]`` relative distances ``r`` (integer or floating).
 
     Returns:

@@ -95,7 +95,7 @@ def rope_bytes(
 def _full_width(
     cos: torch.Tensor, sin: torch.Tensor, layout: str, dtype: torch.dtype
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``[S, d_rot/2]`` tables widened to ``[S, 1, r]`` in ``dtype``, the way eager code holds them."""
+    """``[S, d_rot/2]`` tables widened to ``[S, 1, d_rot]`` in ``dtype``, the way eager code holds them."""
     if layout == "half":
         cos, sin = torch.cat((cos, cos), -1), torch.cat((sin, sin), -1)
     else:

@@ -63,7 +63,7 @@ def _rotate_block(
     """``out[..., :r] = R x[..., :r]`` for a block ``[T, H, D]``.
 
     ``cos``/``sin``: ``[T, d_rot/2]``. ``buffers``: a ``[T', H, d_rot/2]``
-    temporary, then float ``[T', H, r]`` buffers for the result (in
+    temporary, then float ``[T', H, d_rot]`` buffers for the result (in
     place, low precision) and for the inputs in the compute dtype (low
     precision), or None.
     """

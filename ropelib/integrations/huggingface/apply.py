@@ -9,7 +9,7 @@
   ``apply_rotary_pos_emb_interleave``);
 * ``"x_cos_sin"``: ``apply_rotary_pos_emb(x, cos, sin, unsqueeze_dim=2)``, one tensor
   ``[batch, seq, heads, d]`` at a time (Gemma 4);
-* ``"tensor_sin_cos"``: ``apply_rotary_pos_emb(x, sin, cos)``, one ``[batch, seq, heads, r]``
+* ``"tensor_sin_cos"``: ``apply_rotary_pos_emb(x, sin, cos)``, one ``[batch, seq, heads, d_rot]``
   tensor, tables ``[batch, seq, d_rot/2]`` (GPT-J);
 * ``"qk_freqs"``: ``apply_rotary_emb(xq, xk, freqs_cis)``, ``[batch, seq, heads, d]`` and complex
   ``[batch, seq, d_rot/2]`` (Llama 4, Meta's form);

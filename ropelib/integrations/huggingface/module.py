@@ -105,7 +105,7 @@ class HFRotaryEmbedding(nn.Module):
     ``rope_type`` and ``a`` its attention scaling (YaRN's ``0.1 ln(factor) + 1``, LongRoPE's
     ``sqrt(1 + ln s / ln L)``; 1 otherwise). ``output`` says how (RoFormer, Su et al., 2024, section 3.4.2):
 
-    * ``"cat"`` (Llama and most models): ``(cat(c, c), cat(s, s))``, ``[batch, seq, r]``, each
+    * ``"cat"`` (Llama and most models): ``(cat(c, c), cat(s, s))``, ``[batch, seq, d_rot]``, each
       angle written twice because ``transformers`` rotates in the ``"half"`` layout;
     * ``"cat_float32"`` (Ernie 4.5): the same in float32 whatever ``x``'s dtype;
     * ``"half"`` (GPT-OSS): ``(c, s)``, ``[batch, seq, d_rot/2]``;

@@ -4,7 +4,7 @@ Models of a known family (:mod:`~ropelib.integrations.huggingface.families`) do 
 
 1. one rotary module per model, called once per forward pass, turns ``position_ids``
    (``[batch, seq]``; ``[3, batch, seq]`` for M-RoPE) into tables such as ``cos, sin`` of shape
-   ``[batch, seq, r]`` (once per layer type for Gemma 3);
+   ``[batch, seq, d_rot]`` (once per layer type for Gemma 3);
 2. a function of the modeling module (``apply_rotary_pos_emb(q, k, cos, sin)`` and kin, see
    :data:`~ropelib.integrations.huggingface.apply.SIGNATURES`), called by every attention layer
    that uses RoPE on ``q, k`` of shape ``[batch, heads, seq, head_dim]``.
