@@ -18,7 +18,7 @@ def precompute_pos_cis(
     end: int = 32 * 1024,
     theta: float = 1e6,
 ) -> torch.Tensor:
-    r"""The unit complex numbers ``e^{i m theta_j}`` for positions
+    r"""The unit complex numbers ``e^{i m theta_i}`` for positions
     ``m < end``, ``theta_i = base^{-2i/dim}``.
 
     Args:

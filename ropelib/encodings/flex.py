@@ -77,7 +77,7 @@ def score_mod_sizes(score_mod: object) -> ScoreModSizes | None:
 
 
 def alibi_score_mod(slopes: torch.Tensor) -> ScoreMod:
-    r"""A ``score_mod`` adding ALiBi's ``-m_h |j - i|`` (the bias of :func:`ropelib.alibi_bias`).
+    r"""A ``score_mod`` adding ALiBi's ``-mu_h |j - i|`` (the bias of :func:`ropelib.alibi_bias`).
 
     Args:
         slopes: ``[heads]`` (from :func:`ropelib.alibi_slopes`), one per head of the attention

@@ -224,7 +224,7 @@ def rotary_qk(
 
     For pair ``i`` of a head at position ``m``, ``(x_a, x_b) -> (x_a c - x_b s, x_b c + x_a s)``
     with ``c = cos[m, i]``, ``s = sin[m, i]`` (``-sin`` when ``conjugate``: the inverse rotation).
-    Only the first ``r = 2 * cos.shape[1]`` features of each head are rotated; the rest are kept.
+    Only the first ``d_rot = 2 * cos.shape[1]`` features of each head are rotated; the rest are kept.
     One call of the operator ``ropelib::rotary`` (``ropelib::rotary_`` in place), which autograd,
     :func:`torch.compile`, ``make_fx``, :func:`torch.func.vmap` and dispatch modes all see.
 
@@ -239,7 +239,7 @@ def rotary_qk(
             a device-side assertion on a GPU or under compile: see :mod:`ropelib._validation`).
         layout: ``"half"`` (pairs ``(i, i + d_rot/2)``) or ``"interleaved"`` (pairs ``(2i, 2i + 1)``).
         inplace: overwrite ``q`` and ``k`` and return them. They must not overlap.
-        conjugate: rotate by ``-theta`` instead (what the backward pass does).
+        conjugate: rotate by the negated angles ``-m theta_i`` instead (what the backward pass does).
         kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
         cu_seqlens: for a packed row of documents (flash-attn's varlen format): the
             ``[num_docs + 1]`` cumulative lengths; positions restart at 0 in every document and

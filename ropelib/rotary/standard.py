@@ -65,7 +65,7 @@ class RotaryEmbedding(nn.Module):
         max_position_embeddings: the context length the frequencies are built for (read by scalings).
         kernel: ``"auto"``, ``"torch"``, ``"native"`` or ``"triton"`` (:func:`~ropelib.choose_kernel`).
         theta_rescale_factor: static NTK-aware scaling (rotary-embedding-torch's): the base becomes
-            ``theta * factor^(r / (r - 2))``.
+            ``theta * factor^(d_rot / (d_rot - 2))``.
         freqs_for: ``"lang"`` (``base^{-2i/d_rot}``) or ``"pixel"`` (``linspace(1, max_freq / 2, d_rot/2) * pi``,
             for coordinates in ``[-1, 1]``); ``max_freq`` is read by ``"pixel"``.
         continuous_positions: positions may be any finite reals (floating tensors), not only token indices.

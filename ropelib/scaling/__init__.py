@@ -326,7 +326,7 @@ def rope_frequencies(
         partial_rotary_factor: fraction of ``head_dim`` that is rotated.
 
     Returns:
-        ``(inv_freq, attention_scaling)``: a float32 tensor of ``r // 2`` inverse frequencies
+        ``(inv_freq, attention_scaling)``: a float32 tensor of ``d_rot // 2`` inverse frequencies
         (computed in float64, then rounded once) and a Python float.
 
     Example:
