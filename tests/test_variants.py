@@ -124,6 +124,74 @@ def test_xpos_float32_long_positions_stay_finite():
     assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
 
 
+def xpos_reference_vectors(x, positions, center, theta, gamma, base, key=False):
+    """Pair ``j`` of ``x`` at ``p`` times ``e^{i p w_j} zeta_j^{+-(p - center)/B}`` in float64 (``-`` for a key)."""
+    d = x.shape[-1]
+    z = as_complex(x[0, :, 0])
+    out = torch.zeros(len(positions), d // 2, dtype=torch.complex128)
+    for a, p in enumerate(positions):
+        for j in range(d // 2):
+            w = theta ** (-2 * j / d)
+            zeta = (2 * j / d + gamma) / (1 + gamma)
+            factor = zeta ** ((-1 if key else 1) * (p - center) / base)
+            out[a, j] = z[a, j] * complex(math.cos(p * w), math.sin(p * w)) * factor
+    return out
+
+
+REACH_DTYPES = [torch.float16, torch.bfloat16, torch.float32]
+
+
+@pytest.mark.parametrize("dtype", REACH_DTYPES)
+def test_xpos_reach_is_set_by_the_narrower_of_compute_and_output_dtype(dtype):
+    xpos = XPos(32)
+    zeta_0 = 0.4 / 1.4  # xpos_decay_rates(32)[0] with gamma = 0.4
+    expected = math.floor(0.5 * math.log(torch.finfo(dtype).max) / -math.log(zeta_0) * 512.0)
+    assert xpos.max_offset(torch.float32, dtype) == expected
+    assert xpos.max_offset(dtype, torch.float32) == expected  # the order does not matter
+    assert xpos.max_offset(torch.float32, torch.float16) == 2266  # float16: the scale's sqrt-range bound
+    assert xpos.max_offset(torch.float64) > xpos.max_offset(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", REACH_DTYPES)
+def test_xpos_is_finite_and_exact_at_its_reach_and_refuses_one_past_it(dtype):
+    theta, gamma, base = 10000.0, 0.4, 512.0
+    xpos = XPos(32, theta, gamma=gamma, scale_base=base)
+    reach = xpos.max_offset(torch.float32, dtype)
+    gen = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 3, 1, 32, generator=gen).to(dtype)
+    k = torch.randn(1, 3, 1, 32, generator=gen).to(dtype)
+    positions = [0, reach // 2, 2 * reach]  # offsets -reach, .., +reach about the centre
+    q2, k2 = xpos(q, k, torch.tensor(positions), center=reach)
+    assert q2.dtype == k2.dtype == dtype
+    assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
+    # against float64 from the rounded inputs; the error measured in units of each pair's scale:
+    # the rotation, the scale and the product each round once, so a few ulps of ``dtype``
+    scale = torch.tensor(
+        [[((2 * j / 32 + gamma) / (1 + gamma)) ** ((p - reach) / base) for j in range(16)] for p in positions],
+        dtype=torch.float64,
+    )
+    for got, x, key in ((q2, q, False), (k2, k, True)):
+        want = xpos_reference_vectors(x.double(), positions, reach, theta, gamma, base, key=key)
+        err = (as_complex(got.double()[0, :, 0]) - want).abs() * (scale if key else 1 / scale)
+        assert float(err.max()) < 8 * torch.finfo(dtype).eps
+    far = torch.tensor([0, 2 * reach + 1])  # the default centre is reach: the last offset is reach + 1
+    with pytest.raises(ValueError, match=rf"positions - center .*<= {reach} .*{str(dtype).split('.')[1]}"):
+        xpos(q[:, :2], k[:, :2], far)
+    with pytest.raises(ValueError, match="positions - center"):
+        xpos(q[:, :2], k[:, :2], torch.tensor([0, 2 * reach]), center=reach + 1)  # -(reach + 1) on the left
+
+
+def test_xpos_float16_refuses_the_offsets_that_overflowed_it():
+    """The float32 guard let float16 outputs reach inf: ones at offsets 5000 and 10000 from the centre 0."""
+    xpos = XPos(32)
+    ones = torch.ones(1, 2, 1, 32)
+    positions = torch.tensor([5000, 10000])
+    with pytest.raises(ValueError, match="float16"):
+        xpos(ones.half(), ones.half(), positions, center=0)
+    q2, k2 = xpos(ones, ones, positions, center=0)  # float32 holds them
+    assert bool(torch.isfinite(q2).all() and torch.isfinite(k2).all())
+
+
 def test_xpos_gradcheck_and_errors():
     xpos = XPos(4, scale_base=4.0)
     q = torch.randn(1, 3, 1, 4, dtype=torch.float64, requires_grad=True)

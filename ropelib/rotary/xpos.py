@@ -85,13 +85,21 @@ class XPos(nn.Module):
         exponent = (positions.to(torch.float64) - center)[..., None] / self.scale_base
         return self._rates64.to(positions.device) ** exponent
 
-    def max_offset(self, dtype: torch.dtype) -> int:
-        """The largest ``|p - center|`` whose scale, and its inverse, stay below the square root of ``dtype``'s range.
+    def max_offset(self, dtype: torch.dtype, *dtypes: torch.dtype) -> int:
+        """The largest ``|p - center|`` whose scale, and its inverse, stay below the square root of the range.
 
+        The range is that of the narrowest of ``dtype`` and ``dtypes`` (the smallest ``finfo.max``):
+        :meth:`forward` passes its compute dtype and the dtypes of ``q`` and ``k``, since the scaled
+        values are formed in the first and stored in the others (float16 holds far less than float32).
         The fastest pair decays by ``zeta_0`` per ``B`` positions, so the scale at offset ``t`` is
         ``zeta_0^{-t/B}``; keeping it below ``sqrt(max)`` leaves room for the query's own magnitude.
+
+        Example:
+            >>> xpos = XPos(32)
+            >>> xpos.max_offset(torch.float32), xpos.max_offset(torch.float32, torch.float16)
+            (18130, 2266)
         """
-        log_max = math.log(torch.finfo(dtype).max)
+        log_max = min(math.log(torch.finfo(t).max) for t in (dtype, *dtypes))
         return int(0.5 * log_max / -self._fastest_log_rate * self.scale_base)
 
     def forward(
@@ -108,9 +116,10 @@ class XPos(nn.Module):
         else:
             middle = 0
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        reach = self.max_offset(compute)
+        reach = self.max_offset(compute, q.dtype, k.dtype)  # formed in `compute`, stored as q's and k's dtypes
+        narrowest = min((compute, q.dtype, k.dtype), key=lambda t: torch.finfo(t).max)
         check_position_range(
-            positions - middle, f"positions - center (|offset| <= {reach} keeps xPos finite in {compute})",
+            positions - middle, f"positions - center (|offset| <= {reach} keeps xPos finite in {narrowest})",
             minimum=-reach, limit=reach + 1,
         )  # fmt: skip
         q_rot, k_rot = rotation(q, k)
