@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import venv
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
@@ -43,9 +44,47 @@ def ensure_env() -> None:
     STAMP.write_text(wanted)
 
 
+def git_state() -> tuple[str, str] | None:
+    """``(HEAD's full hash, git status --porcelain of the tracked files)``, or None outside a git checkout."""
+    try:
+        head, status = (
+            subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+            for args in (("rev-parse", "HEAD"), ("status", "--porcelain", "--untracked-files=no"))
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return head.strip(), status
+
+
+def stamped_build(build: Callable[[], None]) -> None:
+    """Run ``build`` with the commit it builds from in the environment, and fail if it moved meanwhile.
+
+    The state is read before the build and handed to the chapters as ``ROPELIB_BOOK_COMMIT`` (HEAD's
+    hash) and ``ROPELIB_BOOK_DIRTY`` (``1`` if tracked files differ from it, else ``0``), which
+    book/how_built.ipynb prints; a commit, checkout or edit of a tracked file during the build would make
+    that stamp wrong for some pages, so the build then exits non-zero.
+    """
+    before = git_state()
+    if before is None:  # not a git checkout: how_built says so
+        os.environ.pop("ROPELIB_BOOK_COMMIT", None)
+        os.environ.pop("ROPELIB_BOOK_DIRTY", None)
+        build()
+        return
+    os.environ["ROPELIB_BOOK_COMMIT"] = before[0]
+    os.environ["ROPELIB_BOOK_DIRTY"] = "1" if before[1].strip() else "0"
+    build()
+    after = git_state()
+    if after != before:
+        what = "HEAD" if after is None or after[0] != before[0] else "the tracked files (git status)"
+        sys.exit(
+            f"tasks.py book: {what} changed during the build (started at {before[0]}), so the pages may "
+            "mix two states of the repository and the build stamp on how_built is not theirs; rebuild."
+        )
+
+
 def book() -> None:
     ensure_env()
-    run(BIN / "jupyter-book", "build", ".", "--all", "-W", "-n", "--keep-going")
+    stamped_build(lambda: run(BIN / "jupyter-book", "build", ".", "--all", "-W", "-n", "--keep-going"))
     print(f"\nThe book is at {ROOT / '_build' / 'html' / 'book' / 'index.html'}")
 
 
