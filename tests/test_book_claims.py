@@ -260,58 +260,33 @@ def test_the_performance_verdict_is_the_two_records_together():
 
 
 def test_the_performance_row_s_prose_matches_the_records():
-    """On text every relative encoding has a significantly lower loss at L; on the synthetic tasks
-    none is significantly better, ALiBi significantly worse on lag only; T5 and RoPE match the
-    sinusoidal model or score above it on every seed."""
+    """On text every relative encoding has a confirmed lower loss at L; on the synthetic tasks
+    none is confirmed better, and ALiBi is confirmed worse on lag only."""
     prose = lab_rows()["performance"]["verdict"]
-    assert (
-        "T5, ALiBi and RoPE each beat the sinusoidal model (confirmed, though not significant in the lab chapter's wider family)"
-        in prose
-    )
-    assert (
-        "T5 and RoPE are separated above it on repeat and level with it on lag, but with three seeds neither lead is confirmed"
-        in prose
-    )
-    assert "ALiBi is confirmed worse on the lag task" in prose
+    assert "At $L$ relative encodings are confirmed better on text but not on the synthetic tasks" in prose
+    assert "where ALiBi is confirmed worse on lag" in prose
     text = at_training_length(load("lab_text_cpu.json"))
     assert text == {"better": set(RELATIVE), "worse": set()}
-    record = load("lab_cpu.json")
-    synthetic = at_training_length(record)
+    synthetic = at_training_length(load("lab_cpu.json"))
     assert synthetic == {"better": set(), "worse": {"alibi: lag"}}
-    acc = {t: {e: rows[e]["accuracy"]["1"] for e in rows} for t, rows in record["tasks"].items()}
-    assert max(acc["lag"]["alibi"]) < 0.5 and mean_std(acc["lag"]["sinusoidal"])[0] > 0.99
-    for e in ("t5", "rope"):  # match (within 0.001 in the mean) or above on every seed
-        assert separated(acc["repeat"][e], acc["repeat"]["sinusoidal"])
-        assert abs(mean_std(acc["lag"][e])[0] - mean_std(acc["lag"]["sinusoidal"])[0]) < 1e-3
 
 
 def test_the_relative_row_s_prose_matches_the_synthetic_record():
-    """T5 and RoPE degrade on both tasks; on repeat ALiBi loses least, then T5, then RoPE; ALiBi
-    learns about a third of lag's tokens at L, T5 and RoPE 1.00 (to two places); past L the sinusoidal model falls below T5 on both tasks and below
-    ALiBi on repeat, below RoPE on lag, while RoPE's and its seeds overlap on repeat at 4L and 8L."""
+    """T5 and RoPE degrade on both tasks; on repeat ALiBi loses least (at 8L above T5, T5 above
+    RoPE); ALiBi learns lag only partly (below half the tokens at L on every seed, where T5 and
+    RoPE reach 1.00 to two places)."""
     record = load("lab_cpu.json")
     prose = lab_rows()["relative"]["verdict"]
-    assert "T5 and plain RoPE lose accuracy past $L$ on both tasks" in prose
-    assert {"rope", "t5"} <= set(lab_verdicts(record)["degraded"])  # significant, on both tasks
+    assert "T5 and RoPE lose accuracy past $L$ on both tasks" in prose
+    assert {"rope", "t5"} <= set(lab_verdicts(record)["degraded"])  # confirmed, on both tasks
     acc = {t: {e: rows[e]["accuracy"] for e in rows} for t, rows in record["tasks"].items()}
     far = str(max(record["config"]["multiples"]))
+    assert "ALiBi loses least on repeat" in prose
     assert separated(acc["repeat"]["alibi"][far], acc["repeat"]["t5"][far])
     assert separated(acc["repeat"]["t5"][far], acc["repeat"]["rope"][far])
-    assert all(0.3 < a < 0.37 for a in acc["lag"]["alibi"]["1"])  # about a third, every seed
+    assert "learns lag only partly" in prose
+    assert max(acc["lag"]["alibi"]["1"]) < 0.5  # partly, on every seed
     assert min(acc["lag"]["t5"]["1"] + acc["lag"]["rope"]["1"]) >= 0.995  # 1.00 to two places
-    assert "learns the lag task only partly (about a third of the tokens at $L$, against 1.00 for T5 and RoPE)" in prose
-    longer = [str(m) for m in record["config"]["multiples"] if m > 1]
-    assert all(separated(acc[t]["t5"][m], acc[t]["sinusoidal"][m]) for t in acc for m in longer)
-    assert all(separated(acc["repeat"]["alibi"][m], acc["repeat"]["sinusoidal"][m]) for m in longer)
-    assert all(separated(acc["lag"]["rope"][m], acc["lag"]["sinusoidal"][m]) for m in longer)
-    rope, sin = acc["repeat"]["rope"], acc["repeat"]["sinusoidal"]
-    assert all(not separated(rope[m], sin[m]) and not separated(sin[m], rope[m]) for m in ("4", far))
-    assert separated(rope["2"], sin["2"])
-    assert (
-        "Against the sinusoidal model past $L$: on repeat, T5 and ALiBi are separated above it at every length" in prose
-    )
-    assert "RoPE at $2L$ only (their seeds overlap at $4L$ and $8L$)" in prose
-    assert "on lag, T5 and RoPE are separated above it at every length" in prose
 
 
 def test_the_absolute_row_s_prose_matches_the_synthetic_record():
