@@ -30,7 +30,8 @@ Run after ``jupyter-book build .``; it opens every page listed in ``_toc.yml`` f
   (``scrollWidth > clientWidth``), nor a cell's output, nor a table; and the page itself does
   not scroll sideways;
 * every notebook chapter starts with the install cell: the first code cell of the page is the
-  cell ``scripts/sync_install_cells.py`` writes from ``repository`` in ``_config.yml``.
+  cell ``scripts/sync_install_cells.py`` writes from ``repository`` in ``_config.yml``, collapsed
+  behind a toggle (its ``hide-input`` tag).
 
 The layout is measured in the browser itself: for each page a temporary copy is written next to
 the original (so that relative URLs still work; it is deleted afterwards) with a ``<script>``
@@ -279,6 +280,7 @@ MEASURE_JS = r"""
     result.code_cells = cells.length;
     const first = cells.length ? cells[0].querySelector(".cell_input pre") : null;
     result.first_code_cell = first ? first.textContent : null;
+    result.first_code_collapsed = first ? first.closest("details") !== null : null;
     return result;
   }
 
@@ -719,6 +721,8 @@ class Checker:
         if norm(first) != norm(expected):
             line = first.strip().splitlines()[0] if first.strip() else ""
             return [f"first code cell is not the install cell ({fix}); it starts {line[:70]!r}"]
+        if m.get("first_code_collapsed") is False:
+            return [f"the install cell is shown open, not collapsed behind a toggle ({fix})"]
         return []
 
     @staticmethod

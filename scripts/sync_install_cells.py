@@ -33,7 +33,8 @@ The URL and branch are ``repository.url`` and ``repository.branch`` of ``_config
 same settings the Colab launch button uses (without a branch the clone takes the default one).
 After changing them, run this script; it inserts or updates the cell (id ``install-ropelib``)
 in every ``.ipynb`` chapter of ``_toc.yml``, in place and idempotently, leaving every other
-cell as it is. ``--check`` changes nothing and exits with status 1 when a chapter's cell
+cell as it is. The cell carries the ``hide-input`` tag, so a page shows it as one collapsed
+line that a reader can open. ``--check`` changes nothing and exits with status 1 when a chapter's cell
 differs from what the script would write (``tests/test_book_pages.py`` runs the same
 comparison).
 
@@ -57,6 +58,7 @@ ROOT = Path(__file__).resolve().parent.parent
 CELL_ID = "install-ropelib"
 COMMENT = "# Colab or a fresh environment: install ropelib from the book's repository."
 CLONE = "ropelib-book"  # the clone's folder, next to the notebook (not an importable name)
+TAG = "hide-input"  # the page shows a one-line toggle, not the fifteen lines of the cell
 
 
 def repository_settings(root: Path = ROOT) -> tuple[str, str]:
@@ -154,17 +156,24 @@ def sync_cells(cells: list[dict], source: str) -> bool:
     """Make ``cells`` start their code with exactly one install cell; True if anything changed."""
     if first_code_source(cells) == source and sum(is_install_cell(c) for c in cells) == 1:
         first = next(c for c in cells if c.get("cell_type") == "code")
-        if first.get("id") == CELL_ID and not first.get("outputs") and first.get("execution_count") is None:
+        if (
+            first.get("id") == CELL_ID
+            and not first.get("outputs")
+            and first.get("execution_count") is None
+            and TAG in first.get("metadata", {}).get("tags", [])
+        ):
             return False
     code = [c for c in cells if c.get("cell_type") == "code"]
     replaced = [c for c in cells if is_install_cell(c) or (code and c is code[0] and _hand_written(c))]
     old = [c for c in replaced if c.get("id") == CELL_ID] or replaced
     cells[:] = [c for c in cells if all(c is not r for r in replaced)]
+    metadata = dict(old[0].get("metadata", {})) if old else {}
+    metadata["tags"] = [*(t for t in metadata.get("tags", []) if t != TAG), TAG]
     cell = {
         "cell_type": "code",
         "execution_count": None,
         "id": CELL_ID,
-        "metadata": dict(old[0].get("metadata", {})) if old else {},
+        "metadata": metadata,
         "outputs": [],
         "source": source,
     }

@@ -97,6 +97,8 @@ def test_chapter_starts_with_the_install_cell(chapter: Path) -> None:
     first = sync.first_code_source(cells)
     assert first == expected, f"{chapter.name}: first code cell differs; run python scripts/sync_install_cells.py"
     assert not sync.sync_cells(copy.deepcopy(cells), expected), f"{chapter.name}: run scripts/sync_install_cells.py"
+    install = next(c for c in cells if c.get("cell_type") == "code")
+    assert "hide-input" in install["metadata"].get("tags", []), f"{chapter.name}: the install cell is not collapsed"
 
 
 def _code(source: str, cell_id: str) -> dict:
@@ -118,6 +120,7 @@ def test_sync_inserts_updates_and_is_idempotent() -> None:
     assert sync.sync_cells(cells, new)
     assert [c["id"] for c in cells] == ["title", sync.CELL_ID, "imports"]
     assert cells[1]["source"] == new
+    assert cells[1]["metadata"]["tags"] == [sync.TAG]  # shown collapsed on the page
     assert not sync.sync_cells(cells, new)  # a second run changes nothing
 
     newer = sync.install_cell_source("https://example.org/other/ropelib")
