@@ -89,7 +89,7 @@ class XPos(nn.Module):
         """The largest ``|p - center|`` whose scale, and its inverse, stay below the square root of the range.
 
         The range is that of the narrowest of ``dtype`` and ``dtypes`` (the smallest ``finfo.max``):
-        :meth:`forward` passes its compute dtype and the dtypes of ``q`` and ``k``, since the scaled
+        A call of the module passes its compute dtype and the dtypes of ``q`` and ``k``, since the scaled
         values are formed in the first and stored in the others (float16 holds far less than float32).
         The fastest pair decays by ``zeta_0`` per ``B`` positions, so the scale at offset ``t`` is
         ``zeta_0^{-t/B}``; keeping it below ``sqrt(max)`` leaves room for the query's own magnitude.
