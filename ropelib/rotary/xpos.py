@@ -96,8 +96,10 @@ class XPos(nn.Module):
 
         Example:
             >>> xpos = XPos(32)
-            >>> xpos.max_offset(torch.float32), xpos.max_offset(torch.float32, torch.float16)
-            (18130, 2266)
+            >>> xpos.max_offset(torch.float32)
+            18130
+            >>> xpos.max_offset(torch.float32, torch.float16)
+            2266
         """
         log_max = min(math.log(torch.finfo(t).max) for t in (dtype, *dtypes))
         return int(0.5 * log_max / -self._fastest_log_rate * self.scale_base)
