@@ -103,6 +103,25 @@ def test_gives_the_pytorch_kernels_bits(call: dict) -> None:
     assert torch.equal(outs["torch"][0], outs["native"][0]) and torch.equal(outs["torch"][1], outs["native"][1])
 
 
+@pytest.mark.parametrize("pairs", [16, 32, 64])
+@pytest.mark.parametrize("extra", [0, 6])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_half_layouts_held_tables_give_the_pytorch_kernels_bits(pairs: int, extra: int, dtype: torch.dtype) -> None:
+    """16, 32 and 64 pairs (head_dim 32, 64, 128) take the half layout's own loop: the same bits, both ways."""
+    gen = torch.Generator().manual_seed(pairs + extra)
+    d = 2 * pairs + extra
+    q = (torch.randn(2, 5, 6, d, generator=gen) * 10).to(dtype)
+    k = (torch.randn(2, 5, 2, d, generator=gen) * 10).to(dtype)
+    cos, sin = tables(2 * pairs, 50, dtype)
+    positions = torch.randint(0, 50, (2, 5), generator=gen)
+    for conjugate, inplace in ((False, False), (True, False), (False, True)):
+        outs = [
+            rotary_qk(q.clone(), k.clone(), cos, sin, positions, conjugate=conjugate, inplace=inplace, kernel=kernel)
+            for kernel in ("torch", "native")
+        ]
+        assert torch.equal(outs[0][0], outs[1][0]) and torch.equal(outs[0][1], outs[1][1])
+
+
 @pytest.mark.parametrize("few", [True, False])
 def test_decoding_paths_give_the_same_bits(few: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     # The PyTorch kernel rotates a decoding step in list operations (FEW_ELEMENTS) and larger calls

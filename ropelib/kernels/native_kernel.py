@@ -24,6 +24,7 @@ and they run only inside the ``ropelib`` operators' CPU kernels.
 from __future__ import annotations
 
 import functools
+import itertools
 
 import torch
 
@@ -226,16 +227,16 @@ def verify(library: Library) -> None:
     """Raise :class:`~ropelib.kernels.native_build.BuildFailed` unless ``library`` gives the PyTorch kernel's bits.
 
     Run once per process on the library just loaded: every dtype, both layouts, an odd number of
-    pairs (the vector loops' tails), a partial rotation and both directions, and a write into a
-    paged cache. A compiler that fuses a multiply and an add behind the flags' back is caught
+    pairs (the vector loops' tails), 16 pairs (the half layout's loop of held tables), a partial
+    rotation and both directions, and a write into a paged cache. A compiler that fuses a multiply and an add behind the flags' back is caught
     here, and the PyTorch kernel serves.
     """
     generator = torch.Generator().manual_seed(0)
-    for dtype in DTYPES:
+    for dtype, (dim, pairs) in itertools.product(DTYPES, ((14, 5), (36, 16))):
         compute = torch.float64 if dtype == torch.float64 else torch.float32
-        q = torch.randn(2, 3, 3, 14, generator=generator).to(dtype)
-        k = torch.randn(2, 3, 1, 14, generator=generator).to(dtype)
-        angles = torch.rand(7, 5, generator=generator, dtype=torch.float64) * 100
+        q = torch.randn(2, 3, 3, dim, generator=generator).to(dtype)
+        k = torch.randn(2, 3, 1, dim, generator=generator).to(dtype)
+        angles = torch.rand(7, pairs, generator=generator, dtype=torch.float64) * 100
         cos, sin = angles.cos().to(compute), angles.sin().to(compute)
         positions = torch.randint(0, 7, (2, 3), generator=generator)
         for interleaved in (False, True):
