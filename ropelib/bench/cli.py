@@ -32,6 +32,7 @@ import torch
 
 from .._device import device_name
 from ..layouts import LAYOUTS
+from .harness import git_state
 from .kv_write import KINDS, KV_ROOF, format_kv_table, kv_write_rows
 from .rope import (
     CPU_SHAPE,
@@ -162,7 +163,7 @@ def _checked_args(argv: Sequence[str] | None) -> tuple[argparse.Namespace, torch
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    """Provenance stored with every result: device, versions, date and the exact command."""
+    """Provenance stored with every result: device, versions, date, the exact command and the git commit."""
     try:
         import triton
 
@@ -180,6 +181,7 @@ def environment(device: torch.device) -> dict[str, Any]:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "python -m ropelib.bench " + " ".join(sys.argv[1:]),
         "env": {k: os.environ.get(k) for k in RECORDED_ENV},
+        **git_state(),
     }
 
 

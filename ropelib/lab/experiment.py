@@ -56,6 +56,7 @@ from .._validation import check_choice, check_int
 from ..attention.hybrid import HYBRIDS, hybrid_layers
 from ..attention.mha import MultiHeadAttention
 from ..attention.plugs import PLUGS
+from ..bench.harness import git_state
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..encodings.relative import t5_relative_bucket
 from ..rotary import RotaryEmbedding, Rotation
@@ -776,7 +777,7 @@ def fine_tune_report(config: LabConfig) -> dict[str, Any]:
 
 
 def provenance(command: str, device: torch.device | str | None = None) -> dict[str, Any]:
-    """Where and how a run was made: command, device, versions, date (UTC), seed streams and threads."""
+    """Where and how a run was made: command, device, versions, git commit, date (UTC), seed streams and threads."""
     return {
         "command": command,
         "seed_streams": {
@@ -791,6 +792,7 @@ def provenance(command: str, device: torch.device | str | None = None) -> dict[s
         "ropelib": __version__,
         "date_utc": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M"),
         "threads": 1 if _device(device).type == "cpu" else None,  # see _one_thread_on_cpu
+        **git_state(),
     }
 
 

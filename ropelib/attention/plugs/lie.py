@@ -34,10 +34,22 @@ class _LiePlug(PositionPlug):
 
 
 class ComRoPEPlug(_LiePlug):
+    """The plug of :class:`~ropelib.rotary.lie.ComRoPE` (Yu et al., 2025) on token positions.
+
+    ``q``, ``k`` turned by ``exp(p A)``, ``A`` commuting block-diagonal generators shared by the heads;
+    options ``block_size``, ``theta`` (the base), ``init_std``.
+    """
+
     label = "ComRoPE"
     module = ComRoPE
 
 
 class LieREPlug(_LiePlug):
+    """The plug of :class:`~ropelib.rotary.lie.LieRE` (Ostmeier et al., 2025) on token positions.
+
+    ``q``, ``k`` turned by ``exp(p A)``, ``A`` a learned skew-symmetric generator shared by the heads;
+    options ``block_size`` (``None``: one dense generator), ``theta`` (the base), ``init_std``.
+    """
+
     label = "LieRE"
     module = LieRE

@@ -120,19 +120,21 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
 
     .. math::
 
-        x' = x \odot \cos(p\,f) + \mathrm{rotate\_half}(x) \odot \sin(p\,f),
+        x' = x \odot \cos(p\,\theta) + \mathrm{rotate\_half}(x) \odot \sin(p\,\theta),
 
-    with the frequencies ``f`` of the config's ``rope_type`` (any entry of
+    with ``theta`` the vector of frequencies ``theta_i`` (the model's ``inv_freq``, each written twice) of the
+    config's ``rope_type`` (any entry of
     :data:`~ropelib.scaling.registry.ROPE_SCALINGS`). The other rows of
     :data:`~ropelib.integrations.huggingface.families.FAMILIES` rotate adjacent pairs,
     ``(x_{2i}, x_{2i+1}) -> (x_{2i} c_i - x_{2i+1} s_i, x_{2i+1} c_i + x_{2i} s_i)`` (GLM, Cohere,
-    GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p f_i}``), take one RoPE setting per layer type
+    GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p theta_i}``), take one RoPE setting per layer type
     (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
     Qwen3-VL; :mod:`ropelib.rotary.mrope`). Weights, buffers and the state dict are unchanged;
     logits agree with the unpatched model's up to rounding, chiefly that of transformers' float32
     angles (ropelib forms them in float64), an error that grows with the position.
-    A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to 16
-    bits by the cast (angles off by up to ``p * 2^-8``); ropelib's tables are built from the config,
+    A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to
+    bfloat16 by the cast (8 significant bits: each frequency off by up to 2^-8 of itself, angles by up to
+    ``p * theta_i * 2^-8``); ropelib's tables are built from the config,
     so the patch also removes that error, which grows with the position.
 
     Before changing anything it checks, on positions ``0 .. 63``, that ropelib's tables match the
