@@ -135,7 +135,7 @@ enum { PASS_Q = 1, PASS_K = 2, PASS_BOTH = 3 };
 #define ROPELIB_PREFETCH(address) ((void)(address))
 #endif
 
-/* Vectors of eight compute values for the interleaved layout: with
+/* Vectors of eight compute values for both layouts (float32, float64): with
  * clang or GCC 12 (__builtin_shufflevector) or an older GCC
  * (__builtin_shuffle); other compilers take the pairs one by one. */
 #if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
@@ -148,26 +148,6 @@ enum { PASS_Q = 1, PASS_K = 2, PASS_BOTH = 3 };
 #define ROPELIB_VECTORS 0
 #endif
 
-/* Eight values loaded into a vector and stored back (LOAD8, STORE8 of
- * the vector loops, for the types whose storage is their compute). */
-#if ROPELIB_VECTORS
-typedef float ropelib_f8 __attribute__((vector_size(32)));
-typedef double ropelib_d8 __attribute__((vector_size(64)));
-
-static inline ropelib_f8 f32_load8(const float *p) {
-    ropelib_f8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void f32_store8(float *p, ropelib_f8 v) { memcpy(p, &v, sizeof v); }
-static inline ropelib_d8 f64_load8(const double *p) {
-    ropelib_d8 v;
-    memcpy(&v, p, sizeof v);
-    return v;
-}
-static inline void f64_store8(double *p, ropelib_d8 v) { memcpy(p, &v, sizeof v); }
-#endif
-
 /* The loop, once per storage type S and compute type C. */
 #define S float
 #define C float
@@ -175,8 +155,6 @@ static inline void f64_store8(double *p, ropelib_d8 v) { memcpy(p, &v, sizeof v)
 #define LOAD(v) (v)
 #define STORE(v) (v)
 #define VECTOR ROPELIB_VECTORS
-#define LOAD8(p) f32_load8(p)
-#define STORE8(p, v) f32_store8(p, v)
 #define NAME(x) x##_f32
 #include "rotate_loop.h" /* which undefines them */
 
@@ -186,8 +164,6 @@ static inline void f64_store8(double *p, ropelib_d8 v) { memcpy(p, &v, sizeof v)
 #define LOAD(v) (v)
 #define STORE(v) (v)
 #define VECTOR ROPELIB_VECTORS
-#define LOAD8(p) f64_load8(p)
-#define STORE8(p, v) f64_store8(p, v)
 #define NAME(x) x##_f64
 #include "rotate_loop.h" /* which undefines them */
 

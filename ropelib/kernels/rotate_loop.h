@@ -1,9 +1,8 @@
 /* The loop of rotate.c for one storage type: rotate.c includes this
  * file once per type, with S (storage), C (compute), INDEX (an integer
  * of C's width), LOAD, STORE, VECTOR (1 when S is C: both layouts in
- * eights, with LOAD8 and STORE8 moving eight values) and NAME(x) (the
- * name of function x for that type) defined; it undefines them at its
- * end, for the next type. */
+ * eights) and NAME(x) (the name of function x for that type) defined;
+ * it undefines them at its end, for the next type. */
 
 /* Out of place, into fresh memory: write one byte of every page of
  * the output of tokens [from, to), so that their page faults come
@@ -39,20 +38,20 @@ static inline ROPELIB_INLINE void NAME(interleaved_wide)(
     const S *x, S *o, const C *wc, const C *ws, int64_t r) {
     int64_t j = 0;
     for (; j + 8 <= r; j += 8) {
-        NAME(eight) c, s;
-        const NAME(eight) v = LOAD8(x + j);
+        NAME(eight) v, c, s;
+        memcpy(&v, x + j, sizeof v);
         memcpy(&c, wc + j, sizeof c);
         memcpy(&s, ws + j, sizeof s);
         const NAME(eight) w = SWAP_PAIRS(v, NAME(lanes));
         const NAME(eight) vc = v * c, wsn = w * s, out = vc + wsn;
-        STORE8(o + j, out);
+        memcpy(o + j, &out, sizeof out);
     }
     for (; j < r; j += 2) { /* the pairs past the last eight */
-        const C a = LOAD(x[j]), b = LOAD(x[j + 1]);
+        const C a = x[j], b = x[j + 1];
         const C ac = a * wc[j], bs = b * ws[j];
         const C bc = b * wc[j + 1], as = a * ws[j + 1];
-        o[j] = STORE(ac + bs);
-        o[j + 1] = STORE(bc + as);
+        o[j] = ac + bs;
+        o[j + 1] = bc + as;
     }
 }
 #endif
@@ -75,17 +74,19 @@ static inline ROPELIB_INLINE void NAME(prefetch_row)(const S *row,
 
 #if VECTOR
 /* The "half" layout of one head in eights: a = x[j..j+8), b = x[r2 +
- * j..), the tables' eights cv, sv; each product rounded, then the sum,
+ * j..), the tables' eights *cv, *sv; each product rounded, then the sum,
  * as in ROPELIB_PAIR. */
 static inline ROPELIB_INLINE void NAME(half_eight)(
-    const S *xr, S *orow, int64_t ja, int64_t jb, NAME(eight) cv,
-    NAME(eight) sv, const int inverse) {
-    const NAME(eight) a = LOAD8(xr + ja), b = LOAD8(xr + jb);
-    const NAME(eight) ac = a * cv, bs = b * sv, bc = b * cv, as = a * sv;
+    const S *xr, S *orow, int64_t ja, int64_t jb, const NAME(eight) *cv,
+    const NAME(eight) *sv, const int inverse) {
+    NAME(eight) a, b;
+    memcpy(&a, xr + ja, sizeof a);
+    memcpy(&b, xr + jb, sizeof b);
+    const NAME(eight) ac = a * *cv, bs = b * *sv, bc = b * *cv, as = a * *sv;
     const NAME(eight) oa = inverse ? ac + bs : ac - bs;
     const NAME(eight) ob = inverse ? bc - as : bc + as;
-    STORE8(orow + ja, oa);
-    STORE8(orow + jb, ob);
+    memcpy(orow + ja, &oa, sizeof oa);
+    memcpy(orow + jb, &ob, sizeof ob);
 }
 
 /* All heads of a token, half layout, with r2 = 8 nv: the tables' eights
@@ -102,7 +103,7 @@ static inline ROPELIB_INLINE void NAME(half_heads)(
         const S *xr = x + h * x_head;
         S *orow = o + h * o_head;
         for (int j = 0; j < nv; ++j)
-            NAME(half_eight)(xr, orow, 8 * j, 8 * nv + 8 * j, cv[j], sv[j],
+            NAME(half_eight)(xr, orow, 8 * j, 8 * nv + 8 * j, &cv[j], &sv[j],
                              inverse);
         NAME(prefetch_row)(xr, x_head, 16 * nv);
     }
@@ -293,6 +294,4 @@ int64_t NAME(ropelib_rotate)(const struct call *g) {
 #undef STORE
 #undef VECTOR
 #undef ROPELIB_AHEAD
-#undef LOAD8
-#undef STORE8
 #undef NAME
