@@ -92,17 +92,21 @@ def _launch(
     conjugate: bool,
     cache: tuple[int, ...] = NO_CACHE,
 ) -> None:
-    per_token = (q.shape[2] + k.shape[2]) * q.shape[3]
-    elements = q.shape[0] * q.shape[1] * per_token
+    batch, seq, q_heads, dim = q.shape  # each read once: a shape or stride read is a call into torch
+    k_heads = k.shape[2]
+    size = q.element_size()
+    per_token = (q_heads + k_heads) * dim
+    elements = batch * seq * per_token
     touch = threads = 1
     if elements >= PARALLEL_ELEMENTS:
         threads = torch.get_num_threads()
     cached = cache is not NO_CACHE  # k_out is a cache: memory in use, never touched
-    fresh_k = k.shape[2] == 0 or cached or _fresh(k, k_out)
-    if elements * q.element_size() < TOUCH_BYTES or not (_fresh(q, q_out) and fresh_k):
+    fresh_k = k_heads == 0 or cached or _fresh(k, k_out)
+    if elements * size < TOUCH_BYTES or not (_fresh(q, q_out) and fresh_k):
         touch = 0  # small, or not fresh memory: nothing to gain from touching pages first
     else:
-        touch = max(1, TOUCH_BYTES // max(1, per_token * q.element_size()))
+        touch = max(1, TOUCH_BYTES // max(1, per_token * size))
+    length, r2 = cos.shape
     call = PACKED_CALL.pack(
         ABI,
         q.data_ptr(),
@@ -112,18 +116,18 @@ def _launch(
         cos.data_ptr(),
         sin.data_ptr(),
         positions.data_ptr(),
-        q.shape[0],
-        q.shape[1],
-        q.shape[3],
-        cos.shape[1],
-        cos.shape[0],
-        q.shape[2],
-        k.shape[2],
+        batch,
+        seq,
+        dim,
+        r2,
+        length,
+        q_heads,
+        k_heads,
         *q.stride()[:3],
         *k.stride()[:3],
         *q_out.stride()[:3],
         *k_out.stride()[:3],
-        *_position_strides(positions, q.shape[0]),
+        *_position_strides(positions, batch),
         int(interleaved),
         int(conjugate),
         touch,
