@@ -260,12 +260,20 @@ def test_the_performance_verdict_is_the_two_records_together():
 
 
 def test_the_performance_row_s_prose_matches_the_records():
-    """On text every relative encoding has a confirmed lower loss at L; on the synthetic tasks
-    none is confirmed better, and ALiBi is confirmed worse on lag only."""
-    prose = lab_rows()["performance"]["verdict"]
-    assert "At $L$ relative encodings are confirmed better on text but not on the synthetic tasks" in prose
-    assert "where ALiBi is confirmed worse on lag" in prose
-    text = at_training_length(load("lab_text_cpu.json"))
+    """On text every relative encoding leads at L on every seed and holds under the claim's own
+    one-sided test; on the synthetic tasks none does, and ALiBi is worse on lag under that test."""
+    prose = " ".join(lab_rows()["performance"]["verdict"].split())
+    assert (
+        "At $L$ the relative encodings lead on text on every seed, holding under the claim's own one-sided"
+        " test (three seeds; not significant under the labs' wider test), but not on the synthetic tasks"
+    ) in prose
+    assert "where ALiBi is worse on lag under the same test" in prose
+    assert "confirmed" not in claims_section()  # no word stronger than the appendix's
+    record = load("lab_text_cpu.json")
+    assert WORDS[len(record["config"]["seeds"])] == "three"
+    rows = record["rows"]
+    assert all(separated(rows["sinusoidal"]["loss"]["1"], rows[e]["loss"]["1"]) for e in RELATIVE)
+    text = at_training_length(record)
     assert text == {"better": set(RELATIVE), "worse": set()}
     synthetic = at_training_length(load("lab_cpu.json"))
     assert synthetic == {"better": set(), "worse": {"alibi: lag"}}
@@ -290,19 +298,32 @@ def test_the_relative_row_s_prose_matches_the_synthetic_record():
 
 
 def test_the_relative_row_s_prose_matches_the_text_record():
-    """On text ALiBi's loss is lower at 8L than at L on every seed (separated), T5's seed ranges at L
-    and 8L overlap, and ALiBi retrieves most passkeys at 8L on every seed: the claim fails for T5's
-    retrieval and for RoPE, not for ALiBi."""
+    """On text ALiBi's loss rises at 2L and is lower at 8L than at L on every seed (separated), mostly
+    for the text sampled (RoPE in chunks, blind to longer context, falls by over half as much); T5's
+    rises from 2.21 to 2.24 in the mean, on every seed paired, though the seed ranges overlap; ALiBi
+    retrieves most passkeys at 8L on every seed: the claim fails for T5's retrieval and for RoPE,
+    not for ALiBi."""
     prose = lab_rows()["relative"]["verdict"]
-    assert "On text ALiBi's perplexity is lower at $8L$ than at $L$" in prose
-    assert "T5's moves within its seeds' spread" in prose
+    assert "On text ALiBi's perplexity rises at $2L$ and is lower at $8L$ than at $L$ on every seed" in prose
+    assert "mostly for the text the longer windows sample" in prose
+    assert (
+        "T5's rises a little (2.21 → 2.24 nats/byte at $8L$, higher on every seed paired, though the"
+        " seed ranges overlap)"
+    ) in prose
     assert "ALiBi still retrieves most passkeys at $8L$" in prose
     assert "the claim fails for the family (T5's retrieval, RoPE), not for ALiBi" in prose
     record = load("lab_text_cpu.json")
     rows, far = record["rows"], str(max(record["config"]["multiples"]))
     loss = {e: rows[e]["loss"] for e in RELATIVE}
     assert separated(loss["alibi"]["1"], loss["alibi"][far])
+    assert separated(loss["alibi"]["2"], loss["alibi"]["1"])  # the rise at 2L
+    chunked = rows["rope_chunked"]["loss"]
+    fall = {name: mean_std(x["1"])[0] - mean_std(x[far])[0] for name, x in (("alibi", loss["alibi"]), ("rc", chunked))}
+    assert fall["rc"] > 0.5 * fall["alibi"]  # "mostly": a model blind to longer context falls too
     assert not separated(loss["t5"]["1"], loss["t5"][far]) and not separated(loss["t5"][far], loss["t5"]["1"])
+    assert all(b > a for a, b in zip(loss["t5"]["1"], loss["t5"][far]))  # higher on every seed, paired
+    assert [f"{mean_std(loss['t5'][m])[0]:.2f}" for m in ("1", far)] == ["2.21", "2.24"]
+    assert far == "8"
     assert min(retrieval(rows["alibi"], int(far))) > 0.5
     degraded = text_verdicts(record)["degraded"]
     assert "alibi" not in degraded and "t5" in degraded
