@@ -307,7 +307,7 @@ def test_the_relative_row_s_prose_matches_the_text_record():
     assert "On text ALiBi's perplexity rises at $2L$ and is lower at $8L$ than at $L$ on every seed" in prose
     assert "mostly for the text the longer windows sample" in prose
     assert (
-        "T5's rises a little (2.21 → 2.24 nats/byte at $8L$, higher on every seed paired, though the"
+        "T5's loss rises a little (2.21 → 2.24 nats/byte from $L$ to $8L$, higher on every seed paired, though the"
         " seed ranges overlap)"
     ) in prose
     assert "ALiBi still retrieves most passkeys at $8L$" in prose
