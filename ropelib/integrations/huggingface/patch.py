@@ -130,8 +130,9 @@ def patch_hf_rope(model: ModelT, *, kernel: str = "auto") -> ModelT:
     GPT-J; Llama 4 in Meta's complex form ``z_i e^{i p theta_i}``), take one RoPE setting per layer type
     (Gemma 3), or take pair ``i``'s position from its axis of three (M-RoPE: Qwen2-VL, Qwen2.5-VL,
     Qwen3-VL; :mod:`ropelib.rotary.mrope`). Weights, buffers and the state dict are unchanged;
-    logits agree with the unpatched model's up to rounding, chiefly that of transformers' float32
-    angles (ropelib forms them in float64), an error that grows with the position.
+    in float32, logits agree with the unpatched model's up to rounding, chiefly that of transformers'
+    float32 angles (ropelib forms them in float64), an error that grows with the position; in
+    bfloat16 the two rotate with different arithmetic and agree to bfloat16 rounding.
     A model cast with ``model.to(torch.bfloat16)`` has had its ``inv_freq`` buffer rounded to
     bfloat16 by the cast (8 significant bits: each frequency off by up to 2^-8 of itself, angles by up to
     ``p * theta_i * 2^-8``); ropelib's tables are built from the config,
