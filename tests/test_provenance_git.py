@@ -1,14 +1,14 @@
-"""The git commit and dirty flag that the bench and lab records carry (``ropelib.bench.harness.git_state``)."""
+"""The git commit and dirty flag that the bench and lab records carry (``ropelib._provenance.git_state``)."""
 
 import subprocess
 
 import pytest
 
-from ropelib.bench import harness
+from ropelib import _provenance as provenance_module
 
 
 def test_git_state_names_this_checkout():
-    state = harness.git_state()
+    state = provenance_module.git_state()
     if state["git_commit"] == "unknown":  # an installed package, or no git here
         pytest.skip("ropelib is not run from a git checkout here")
     assert len(state["git_commit"]) == 40 and int(state["git_commit"], 16) >= 0
@@ -16,7 +16,7 @@ def test_git_state_names_this_checkout():
 
 
 def test_git_state_is_unknown_outside_a_checkout(tmp_path):
-    assert harness.git_state(tmp_path) == {"git_commit": "unknown", "git_dirty": "unknown"}
+    assert provenance_module.git_state(tmp_path) == {"git_commit": "unknown", "git_dirty": "unknown"}
 
 
 def test_git_state_is_unknown_without_git(monkeypatch):
@@ -24,7 +24,7 @@ def test_git_state_is_unknown_without_git(monkeypatch):
         raise FileNotFoundError("git")
 
     monkeypatch.setattr(subprocess, "run", no_git)
-    assert harness.git_state() == {"git_commit": "unknown", "git_dirty": "unknown"}
+    assert provenance_module.git_state() == {"git_commit": "unknown", "git_dirty": "unknown"}
 
 
 def test_records_carry_the_git_state():

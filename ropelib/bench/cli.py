@@ -31,8 +31,8 @@ from typing import Any
 import torch
 
 from .._device import device_name
+from .._provenance import git_state
 from ..layouts import LAYOUTS
-from .harness import git_state
 from .kv_write import KINDS, KV_ROOF, format_kv_table, kv_write_rows
 from .rope import (
     CPU_SHAPE,

@@ -52,11 +52,11 @@ from torch import nn
 
 from .. import __version__
 from .._device import default_device, device_name
+from .._provenance import git_state
 from .._validation import check_choice, check_int
 from ..attention.hybrid import HYBRIDS, hybrid_layers
 from ..attention.mha import MultiHeadAttention
 from ..attention.plugs import PLUGS
-from ..bench.harness import git_state
 from ..encodings.absolute import LearnedPositionalEmbedding, SinusoidalPositionalEncoding
 from ..encodings.relative import t5_relative_bucket
 from ..rotary import RotaryEmbedding, Rotation

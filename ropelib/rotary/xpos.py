@@ -118,8 +118,9 @@ class XPos(nn.Module):
         else:
             middle = 0
         compute = torch.float64 if q.dtype == torch.float64 else torch.float32
-        reach = self.max_offset(compute, q.dtype, k.dtype)  # formed in `compute`, stored as q's and k's dtypes
+        # formed in `compute`, stored as q's and k's dtypes: the narrowest range bounds the reach
         narrowest = min((compute, q.dtype, k.dtype), key=lambda t: torch.finfo(t).max)
+        reach = self.max_offset(narrowest)
         check_position_range(
             positions - middle, f"positions - center (|offset| <= {reach} keeps xPos finite in {narrowest})",
             minimum=-reach, limit=reach + 1,
