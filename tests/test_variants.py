@@ -35,6 +35,11 @@ def scores(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 # ----------------------------------------------------------------------------- xPos
 
 
+def xpos_zeta(j, d, gamma):
+    """xPos's decay rate of pair ``j`` of ``d`` features (Sun et al., 2023), written out by hand."""
+    return (2 * j / d + gamma) / (1 + gamma)
+
+
 def xpos_reference_scores(q, k, positions, theta, gamma, base):
     d = q.shape[-1]
     zq, zk = as_complex(q[0, :, 0]), as_complex(k[0, :, 0])
@@ -44,7 +49,7 @@ def xpos_reference_scores(q, k, positions, theta, gamma, base):
             total = 0.0
             for j in range(d // 2):
                 w = theta ** (-2 * j / d)
-                zeta = (2 * j / d + gamma) / (1 + gamma)
+                zeta = xpos_zeta(j, d, gamma)
                 term = zq[a, j] * zk[b, j].conj() * complex(math.cos((m - n) * w), math.sin((m - n) * w))
                 total += zeta ** ((m - n) / base) * term.real.item()
             out[a, b] = total
@@ -132,8 +137,7 @@ def xpos_reference_vectors(x, positions, center, theta, gamma, base, key=False):
     for a, p in enumerate(positions):
         for j in range(d // 2):
             w = theta ** (-2 * j / d)
-            zeta = (2 * j / d + gamma) / (1 + gamma)
-            factor = zeta ** ((-1 if key else 1) * (p - center) / base)
+            factor = xpos_zeta(j, d, gamma) ** ((-1 if key else 1) * (p - center) / base)
             out[a, j] = z[a, j] * complex(math.cos(p * w), math.sin(p * w)) * factor
     return out
 
@@ -167,7 +171,7 @@ def test_xpos_is_finite_and_exact_at_its_reach_and_refuses_one_past_it(dtype):
     # against float64 from the rounded inputs; the error measured in units of each pair's scale:
     # the rotation, the scale and the product each round once, so a few ulps of ``dtype``
     scale = torch.tensor(
-        [[((2 * j / 32 + gamma) / (1 + gamma)) ** ((p - reach) / base) for j in range(16)] for p in positions],
+        [[xpos_zeta(j, 32, gamma) ** ((p - reach) / base) for j in range(16)] for p in positions],
         dtype=torch.float64,
     )
     for got, x, key in ((q2, q, False), (k2, k, True)):
